@@ -1,0 +1,86 @@
+"""What every subcommand shares: config arguments, JSON output, and turning bad input into one
+clear message (never a traceback)."""
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from dstrain.errors import UserError
+
+NOT_BUILT_EXIT = 2
+
+
+def console(stderr: bool = False) -> Console:
+    return Console(stderr=stderr, highlight=False, soft_wrap=True)
+
+
+def add_config_args(parser: argparse.ArgumentParser, required: bool = False) -> None:
+    """CONFIG (TOML/YAML/JSON, dstrain's own or DeepSpeed's) and repeatable --set overrides."""
+    parser.add_argument(
+        "config",
+        nargs=None if required else "?",
+        type=Path,
+        metavar="CONFIG",
+        help="config file: dstrain TOML/YAML/JSON, or a DeepSpeed JSON (Megatron keys allowed)"
+        + ("" if required else "; omitted = the built-in defaults"),
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config key, e.g. --set parallel.tp=2 (repeatable; beats the file, "
+        "which beats the defaults)",
+    )
+
+
+def positive_int(text: str) -> int:
+    """argparse type for counts: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_json_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def run_guarded(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run a subcommand; bad input becomes one message on stderr and its exit code."""
+    try:
+        return func(args)
+    except UserError as exc:
+        err = console(stderr=True)
+        err.print(f"dstrain {args.command}: error: {exc.message}", markup=False)
+        if exc.fix:
+            err.print(f"  fix: {exc.fix}", markup=False)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        console(stderr=True).print("interrupted", markup=False)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+def not_built(name: str, issue: str) -> Callable[[argparse.Namespace], int]:
+    """The handler of a subcommand a later issue fills: says so and exits 2."""
+
+    def handler(args: argparse.Namespace) -> int:
+        console(stderr=True).print(f"dstrain {name}: not built yet ({issue}).", markup=False)
+        return NOT_BUILT_EXIT
+
+    return handler

@@ -1,0 +1,32 @@
+"""Subcommands that later issues fill. Each says so and exits 2; when one is built it moves to a
+file of its own and out of this table."""
+
+import argparse
+
+from dstrain.cli.common import not_built
+
+# name, one-line help, the issue that builds it
+PENDING = (
+    (
+        "plan",
+        "predict memory, step time and MFU of a layout; search for the best",
+        "the planner issue",
+    ),
+    ("doctor", "check GPUs, topology, NCCL env, InfiniBand and disk", "the cluster-tooling issue"),
+    (
+        "bench",
+        "measure collective bandwidth with nccl-tests semantics",
+        "the cluster-tooling issue",
+    ),
+    ("deploy", "render Docker, Kubernetes or Slurm launch files", "the cluster-tooling issue"),
+    ("schedule", "simulate and draw a pipeline schedule", "the pipeline issue"),
+    ("report", "plot a run: loss, MFU, comm share, bubble, expert load", "the observability issue"),
+    ("ckpt", "inspect, diff and export checkpoints", "the checkpoint issue"),
+    ("loss-compare", "compare two runs' per-step losses", "the N-D parallel issue"),
+)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    for name, help_text, issue in PENDING:
+        parser = sub.add_parser(name, help=f"{help_text} (not built yet)", description=help_text)
+        parser.set_defaults(func=not_built(name, issue), accepts_anything=True)

@@ -1,0 +1,404 @@
+"""DeepSpeed JSON -> dstrain config. Every key is mapped, or reported as having no effect here.
+
+Key validation against DeepSpeed's own key set (typos, misplaced keys) lives in `ds_lint.py`;
+Megatron-style keys that people put beside DeepSpeed's are mapped by `megatron.py`.
+"""
+
+from typing import Any
+
+from dstrain.config import ds_lint, megatron
+from dstrain.config.findings import error, info, warning
+from dstrain.config.imported import AUTO, Imported, as_bool, as_float, as_int
+
+# Keys DeepSpeed accepts that change nothing in dstrain, with the reason shown to the user.
+_NO_EFFECT = {
+    "prescale_gradients": "FSDP2/DDP average gradients in the reduction itself",
+    "gradient_predivide_factor": "FSDP2/DDP average gradients in the reduction itself",
+    "zero_allow_untested_optimizer": "dstrain's optimizers all work with every ZeRO stage",
+    "zero_force_ds_cpu_optimizer": "dstrain offload steps torch's own optimizer on the CPU",
+    "dump_state": "dstrain logs the resolved config at start-up",
+    "memory_breakdown": "memory/* metrics are always logged",
+    "sparse_gradients": "embeddings use dense gradients",
+    "dataloader_drop_last": "the loader always drops the last partial batch",
+    "zero_optimization.contiguous_gradients": "FSDP2 manages its own gradient buffers",
+    "zero_optimization.overlap_comm": "FSDP2 always overlaps reduce-scatter with backward",
+    "zero_optimization.reduce_scatter": "FSDP2 always reduce-scatters",
+    "zero_optimization.reduce_bucket_size": "FSDP2 reduces per block, not per bucket",
+    "zero_optimization.allgather_partitions": "FSDP2 always all-gathers per block",
+    "zero_optimization.allgather_bucket_size": "FSDP2 all-gathers per block, not per bucket",
+    "zero_optimization.sub_group_size": "the optimizer steps whole shards",
+    "zero_optimization.stage3_max_live_parameters": "FSDP2 prefetches one block ahead",
+    "zero_optimization.stage3_max_reuse_distance": "FSDP2 prefetches one block ahead",
+    "zero_optimization.stage3_prefetch_bucket_size": "FSDP2 prefetches one block ahead",
+    "zero_optimization.stage3_param_persistence_threshold": "FSDP2 shards every block's params",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "use dstrain ckpt export-hf",
+    "zero_optimization.gather_16bit_weights_on_model_save": "use dstrain ckpt export-hf",
+    "zero_optimization.round_robin_gradients": "FSDP2 reduces per block",
+    "zero_optimization.elastic_checkpoint": "DCP checkpoints reshard on load",
+    "zero_optimization.load_from_fp32_weights": "checkpoints hold fp32 master weights",
+    "zero_optimization.ignore_unused_parameters": "every parameter is used",
+}
+
+_ONE_BIT = {"onebitadam", "zerooneadam", "onebitlamb"}
+
+
+def from_deepspeed(raw: dict[str, Any]) -> Imported:
+    """Map a DeepSpeed config dict (with any Megatron keys beside it) to a dstrain config dict."""
+    out = Imported()
+    out.findings.extend(ds_lint.lint(raw))
+    foreign = {k: v for k, v in raw.items() if k not in ds_lint.top_level_keys()}
+    megatron.map_keys({k: v for k, v in foreign.items() if megatron.is_megatron_key(k)}, out)
+    for key, value in raw.items():
+        if key in _MAPPERS:
+            _MAPPERS[key](value, out, raw)
+        elif key in _NO_EFFECT:
+            out.findings.append(info(key, f"no effect in dstrain: {_NO_EFFECT[key]}"))
+        elif key in ds_lint.top_level_keys():
+            out.findings.append(info(key, "DeepSpeed-only feature: not mapped, no effect here"))
+    _batch_findings(raw, out)
+    _precision_findings(raw, out)
+    return out
+
+
+def _batch(value: Any, out: Imported, raw: dict[str, Any], key: str, target: str) -> None:
+    if value == AUTO:
+        out.findings.append(
+            info(key, "`auto` (filled by the HF Trainer): dstrain infers it from the others")
+        )
+        return
+    number = as_int(value, key, out.findings, minimum=1)
+    if number is not None:
+        out.set(target, number)
+
+
+def _map_train_batch(value: Any, out: Imported, raw: dict[str, Any]) -> None:
+    _batch(value, out, raw, "train_batch_size", "train.global_batch_size")
+
+
+def _map_micro_batch(value: Any, out: Imported, raw: dict[str, Any]) -> None:
+    _batch(value, out, raw, "train_micro_batch_size_per_gpu", "train.micro_batch_size")
+
+
+def _map_grad_accum(value: Any, out: Imported, raw: dict[str, Any]) -> None:
+    _batch(value, out, raw, "gradient_accumulation_steps", "train.grad_accum_steps")
+
+
+def _map_clipping(value: Any, out: Imported, raw: dict[str, Any]) -> None:
+    if value == AUTO:
+        out.findings.append(
+            info("gradient_clipping", "`auto`: dstrain's default grad_clip applies")
+        )
+        return
+    number = as_float(value, "gradient_clipping", out.findings)
+    if number is not None:
+        out.set("train.grad_clip", number)
+
+
+def _map_steps_per_print(value: Any, out: Imported, raw: dict[str, Any]) -> None:
+    number = as_int(value, "steps_per_print", out.findings, minimum=1)
+    if number is not None:
+        out.set("metrics.log_interval", number)
+
+
+def _map_wall_clock(value: Any, out: Imported, raw: dict[str, Any]) -> None:
+    flag = as_bool(value, "wall_clock_breakdown", out.findings)
+    if flag is not None:
+        out.set("metrics.timers", flag)
+
+
+def _map_tensorboard(value: Any, out: Imported, raw: dict[str, Any]) -> None:
+    if not isinstance(value, dict):
+        return
+    if (
+        "enabled" in value
+        and (flag := as_bool(value["enabled"], "tensorboard.enabled", out.findings)) is not None
+    ):
+        out.set("metrics.tensorboard", flag)
+    if "job_name" in value:
+        out.set("run.name", str(value["job_name"]))
+    if "output_path" in value:
+        out.findings.append(
+            info("tensorboard.output_path", "dstrain writes events to runs/<name>/tb/ instead")
+        )
+
+
+def _map_wandb(value: Any, out: Imported, raw: dict[str, Any]) -> None:
+    if isinstance(value, dict) and "enabled" in value:
+        flag = as_bool(value["enabled"], "wandb.enabled", out.findings)
+        if flag is not None:
+            out.set("metrics.wandb", flag)
+
+
+def _map_optimizer(value: Any, out: Imported, raw: dict[str, Any]) -> None:
+    if not isinstance(value, dict):
+        return
+    kind = str(value.get("type", "adamw"))
+    params = value.get("params") or {}
+    lowered = kind.lower()
+    if lowered in ("adam", "adamw"):
+        plain_adam = lowered == "adam" and params.get("adam_w_mode") is False
+        out.set("optim.name", "adam" if plain_adam else "adamw")
+    elif lowered == "sgd":
+        out.set("optim.name", "sgd")
+    else:
+        hint = (
+            " (for compressed communication use comm.compression = powersgd)"
+            if lowered in _ONE_BIT
+            else ""
+        )
+        out.findings.append(
+            warning(
+                "optimizer.type", f"dstrain has no {kind}; the converted config uses AdamW{hint}"
+            )
+        )
+        out.set("optim.name", "adamw")
+    if isinstance(params, dict):
+        _map_optimizer_params(params, out)
+
+
+def _map_optimizer_params(params: dict[str, Any], out: Imported) -> None:
+    for name, value in params.items():
+        key = f"optimizer.params.{name}"
+        if value == AUTO:
+            out.findings.append(info(key, "`auto`: dstrain's default applies"))
+        elif name in ("lr", "eps", "weight_decay"):
+            number = as_float(value, key, out.findings)
+            if number is not None:
+                out.set(f"optim.{name}", number)
+        elif name == "betas":
+            if isinstance(value, list) and len(value) == 2:
+                out.set("optim.betas", [float(v) for v in value])
+            else:
+                out.findings.append(error(key, f"expected [beta1, beta2], got {value!r}"))
+        elif name not in ds_lint.REJECTED_OPTIMIZER_PARAMS:
+            out.findings.append(info(key, "no effect in dstrain's optimizer"))
+
+
+def _map_scheduler(value: Any, out: Imported, raw: dict[str, Any]) -> None:
+    if not isinstance(value, dict):
+        return
+    kind = str(value.get("type", ""))
+    params = value.get("params") or {}
+    if not isinstance(params, dict):
+        return
+
+    def number(name: str) -> float | None:
+        v = params.get(name)
+        return (
+            None
+            if v is None or v == AUTO
+            else as_float(v, f"scheduler.params.{name}", out.findings)
+        )
+
+    warmup = number("warmup_num_steps")
+    total = number("total_num_steps")
+    peak = number("warmup_max_lr")
+    floor = number("warmup_min_lr")
+    if warmup is not None:
+        out.set("lr.warmup_steps", int(warmup))
+    if total is not None:
+        out.set("train.steps", int(total))
+    if peak:
+        out.set("optim.lr", peak)
+        if floor is not None:
+            out.set("lr.warmup_start_ratio", min(1.0, floor / peak))
+    schedules = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
+    if kind in schedules:
+        out.set("lr.schedule", schedules[kind])
+        if kind == "WarmupDecayLR":
+            out.set("lr.min_lr_ratio", 0.0)
+        if kind == "WarmupCosineLR" and (ratio := number("cos_min_ratio")) is not None:
+            out.set("lr.min_lr_ratio", ratio)
+    elif kind:
+        out.findings.append(
+            warning("scheduler.type", f"dstrain has no {kind}; cosine after warmup is used instead")
+        )
+
+
+def _map_fp16(value: Any, out: Imported, raw: dict[str, Any]) -> None:
+    if isinstance(value, bool):  # Megatron's --fp16 flag
+        megatron.map_key("fp16", value, out)
+    if not isinstance(value, dict):
+        return
+    if value.get("enabled") is True:
+        out.set("train.precision", "fp16")
+    for name in ("initial_scale_power", "loss_scale_window", "hysteresis"):
+        if name in value and value[name] != AUTO:
+            n = as_int(value[name], f"fp16.{name}", out.findings, minimum=0)
+            if n is not None:
+                out.set(f"train.loss_scale.{name}", n)
+    for name in ("loss_scale", "min_loss_scale"):
+        if name in value and value[name] != AUTO:
+            x = as_float(value[name], f"fp16.{name}", out.findings)
+            if x is not None:
+                out.set(f"train.loss_scale.{name}", x)
+
+
+def _map_bf16(value: Any, out: Imported, raw: dict[str, Any]) -> None:
+    if isinstance(value, bool):  # Megatron's --bf16 flag
+        megatron.map_key("bf16", value, out)
+    if isinstance(value, dict) and value.get("enabled") is True:
+        out.set("train.precision", "bf16")
+
+
+def _map_zero(value: Any, out: Imported, raw: dict[str, Any]) -> None:
+    if not isinstance(value, dict):
+        return
+    stage = value.get("stage", 0)
+    stage = as_int(stage, "zero_optimization.stage", out.findings) if stage != AUTO else None
+    if stage is not None and stage > 3:
+        out.findings.append(error("zero_optimization.stage", f"stage {stage} does not exist (0-3)"))
+        stage = None
+    if stage is not None:
+        out.set("parallel.zero_stage", stage)
+    for name in value:
+        reason = _NO_EFFECT.get(f"zero_optimization.{name}")
+        if reason:
+            out.findings.append(
+                info(f"zero_optimization.{name}", f"no effect in dstrain: {reason}")
+            )
+    _map_offload(value, stage or 0, out)
+
+
+def _map_offload(zero: dict[str, Any], stage: int, out: Imported) -> None:
+    optimizer = _offload_device(zero.get("offload_optimizer"))
+    params = _offload_device(zero.get("offload_param"))
+    if zero.get("cpu_offload") is True:
+        optimizer = "cpu"
+    if zero.get("cpu_offload_params") is True:
+        params = "cpu"
+    for key, device in (("offload_optimizer", optimizer), ("offload_param", params)):
+        if device == "nvme":
+            out.findings.append(
+                warning(f"zero_optimization.{key}", "NVMe offload is not supported; using CPU")
+            )
+    if optimizer in ("cpu", "nvme"):
+        out.set("parallel.offload_optimizer", True)
+    if params in ("cpu", "nvme"):
+        out.set("parallel.offload_params", True)
+    if "offload_param" in zero and stage < 3:
+        out.findings.append(
+            warning(
+                "zero_optimization.offload_param",
+                f"offload_param has no effect at stage {stage}: parameters are only partitioned "
+                "(and so offloadable) at stage 3",
+                "remove offload_param, or use stage 3",
+            )
+        )
+
+
+def _offload_device(section: Any) -> str | None:
+    if isinstance(section, dict):
+        return str(section.get("device", "none")).lower()
+    return None
+
+
+def _map_activation_checkpointing(value: Any, out: Imported, raw: dict[str, Any]) -> None:
+    if not isinstance(value, dict):
+        return
+    out.set("train.activation_checkpoint", "full")
+    out.findings.append(
+        info(
+            "activation_checkpointing",
+            "mapped to train.activation_checkpoint = full (DeepSpeed's options tune its own "
+            "checkpointing API; dstrain recomputes whole blocks)",
+            "use `selective` to recompute only attention and experts",
+        )
+    )
+    if value.get("cpu_checkpointing") is True:
+        out.findings.append(
+            warning("activation_checkpointing.cpu_checkpointing", "not supported: kept on device")
+        )
+
+
+def _map_pipeline(value: Any, out: Imported, raw: dict[str, Any]) -> None:
+    if isinstance(value, dict) and isinstance(value.get("stages"), int):
+        out.set("parallel.pp", value["stages"])
+
+
+def _map_tensor_parallel(value: Any, out: Imported, raw: dict[str, Any]) -> None:
+    if isinstance(value, dict) and "autotp_size" in value:
+        size = as_int(value["autotp_size"], "tensor_parallel.autotp_size", out.findings, 1)
+        if size is not None:
+            out.set("parallel.tp", size)
+
+
+def _map_comm_dtype(value: Any, out: Imported, raw: dict[str, Any]) -> None:
+    kinds = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
+    if str(value).lower() in kinds:
+        out.set("comm.compression", kinds[str(value).lower()])
+
+
+_MAPPERS = {
+    "train_batch_size": _map_train_batch,
+    "train_micro_batch_size_per_gpu": _map_micro_batch,
+    "gradient_accumulation_steps": _map_grad_accum,
+    "gradient_clipping": _map_clipping,
+    "steps_per_print": _map_steps_per_print,
+    "wall_clock_breakdown": _map_wall_clock,
+    "tensorboard": _map_tensorboard,
+    "wandb": _map_wandb,
+    "optimizer": _map_optimizer,
+    "scheduler": _map_scheduler,
+    "fp16": _map_fp16,
+    "bf16": _map_bf16,
+    "zero_optimization": _map_zero,
+    "activation_checkpointing": _map_activation_checkpointing,
+    "pipeline": _map_pipeline,
+    "tensor_parallel": _map_tensor_parallel,
+    "communication_data_type": _map_comm_dtype,
+}
+
+
+def _batch_findings(raw: dict[str, Any], out: Imported) -> None:
+    """DeepSpeed needs a batch size; HF 'auto' only works when the whole triple is auto."""
+    batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu")
+    megatron_batch = ("micro_batch_size", "global_batch_size")
+    if not any(k in raw for k in batch_keys + megatron_batch):
+        out.findings.append(
+            warning(
+                "train_batch_size",
+                "neither train_batch_size nor train_micro_batch_size_per_gpu is set: DeepSpeed "
+                "refuses to start unless a launcher (the HF Trainer) fills them in",
+                'set "train_micro_batch_size_per_gpu" (and "train_batch_size"), or "auto" for '
+                "both when launching through the HF Trainer",
+            )
+        )
+    if raw.get("train_batch_size") == AUTO and "gradient_accumulation_steps" not in raw:
+        out.findings.append(
+            error(
+                "gradient_accumulation_steps",
+                "train_batch_size is `auto` but gradient_accumulation_steps is missing: the HF "
+                "Trainer fills train_batch_size = micro x its --gradient_accumulation_steps x "
+                "world size, DeepSpeed takes the missing key as 1, and its batch assertion fails "
+                "as soon as you accumulate (train_batch_size != micro x 1 x world size)",
+                'add "gradient_accumulation_steps": "auto"',
+            )
+        )
+
+
+def _precision_findings(raw: dict[str, Any], out: Imported) -> None:
+    fp16, bf16 = raw.get("fp16"), raw.get("bf16")
+    fp16_on = isinstance(fp16, dict) and fp16.get("enabled") is True
+    bf16_on = isinstance(bf16, dict) and bf16.get("enabled") is True
+    if fp16_on and bf16_on:
+        out.findings.append(
+            error("fp16.enabled", "fp16 and bf16 are both enabled", "enable exactly one of them")
+        )
+    uses_auto = any(v == AUTO for v in _leaves(raw))
+    if fp16_on and uses_auto:
+        out.findings.append(
+            warning(
+                "fp16.enabled",
+                "fp16 is hard-coded to true in a config whose other values are `auto`: launched "
+                "with --bf16 the HF Trainer refuses it (`--mixed_precision` bf16 vs fp16 in the "
+                "DeepSpeed config)",
+                'set fp16.enabled (and bf16.enabled) to "auto" so the launcher decides',
+            )
+        )
+
+
+def _leaves(node: Any) -> list[Any]:
+    if isinstance(node, dict):
+        return [leaf for v in node.values() for leaf in _leaves(v)]
+    return [node]

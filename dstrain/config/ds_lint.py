@@ -1,0 +1,238 @@
+"""Checks of a DeepSpeed config against what DeepSpeed itself accepts: unknown or misplaced keys
+(with the closest valid key), deprecated spellings, optimizer/scheduler params per type, and the
+combinations DeepSpeed's engine refuses at start-up."""
+
+from typing import Any
+
+from dstrain.config import megatron
+from dstrain.config.ds_keys import (
+    DS_DEPRECATED,
+    DS_OPAQUE_SECTIONS,
+    DS_OPTIMIZER_PARAMS,
+    DS_REJECTED_OPTIMIZER_PARAMS,
+    DS_SCHEDULER_PARAMS,
+    DS_SECTION_KEYS,
+    DS_TOP_LEVEL,
+)
+from dstrain.config.findings import Finding, error, warning
+from dstrain.config.suggest import closest
+
+REJECTED_OPTIMIZER_PARAMS = DS_REJECTED_OPTIMIZER_PARAMS
+
+# torch.optim classes DeepSpeed falls back to when `type` is not one of its own optimizers.
+_TORCH_OPTIMIZERS = {
+    "sgd",
+    "adagrad",
+    "adadelta",
+    "adamax",
+    "asgd",
+    "lbfgs",
+    "nadam",
+    "radam",
+    "rmsprop",
+    "rprop",
+    "sparseadam",
+    "adafactor",
+}
+_ONE_BIT = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
+
+
+def top_level_keys() -> frozenset[str]:
+    return DS_TOP_LEVEL
+
+
+def lint(raw: dict[str, Any]) -> list[Finding]:
+    findings: list[Finding] = []
+    for key in raw:
+        findings.extend(_top_level_key(key))
+    for section in sorted(DS_SECTION_KEYS, key=len):
+        node = _lookup(raw, section)
+        if isinstance(node, dict) and section not in ("optimizer", "scheduler"):
+            findings.extend(_section_keys(section, node))
+    findings.extend(_optimizer(raw.get("optimizer")))
+    findings.extend(_scheduler(raw.get("scheduler")))
+    findings.extend(_engine_combinations(raw))
+    return findings
+
+
+def _top_level_key(key: str) -> list[Finding]:
+    if key in DS_TOP_LEVEL or megatron.is_megatron_key(key):
+        return []
+    if key in DS_DEPRECATED:
+        return [_deprecated(key)]
+    vocabulary = set(DS_TOP_LEVEL) | megatron.known_keys()
+    return [_unknown(key, key, "the top level", vocabulary)]
+
+
+def _section_keys(section: str, node: dict[str, Any]) -> list[Finding]:
+    if section in DS_OPAQUE_SECTIONS:
+        return []
+    valid = DS_SECTION_KEYS[section]
+    findings = []
+    for key in node:
+        dotted = f"{section}.{key}"
+        if key in valid or dotted in DS_SECTION_KEYS or _is_opaque(dotted):
+            continue
+        if dotted in DS_DEPRECATED:
+            findings.append(_deprecated(dotted))
+        else:
+            findings.append(_unknown(dotted, key, f"`{section}`", valid))
+    return findings
+
+
+def _optimizer(section: Any) -> list[Finding]:
+    if not isinstance(section, dict):
+        return []
+    findings = [
+        _unknown(f"optimizer.{k}", k, "`optimizer`", {"type", "params"})
+        for k in section
+        if k not in ("type", "params", "legacy_fusion")
+    ]
+    kind = str(section.get("type", ""))
+    accepted = DS_OPTIMIZER_PARAMS.get(kind.lower())
+    if accepted is None and kind.lower() not in _TORCH_OPTIMIZERS:
+        names = list(DS_OPTIMIZER_PARAMS) + sorted(_TORCH_OPTIMIZERS)
+        match = closest(kind, names)
+        hint = f" (did you mean `{match}`?)" if match else ""
+        findings.append(
+            error("optimizer.type", f"unknown optimizer `{kind}`{hint}", "use e.g. AdamW or Adam")
+        )
+    params = section.get("params")
+    if isinstance(params, dict):
+        findings.extend(_optimizer_params(kind, params, accepted))
+    return findings
+
+
+def _optimizer_params(
+    kind: str, params: dict[str, Any], accepted: frozenset[str] | None
+) -> list[Finding]:
+    findings = []
+    for name in params:
+        key = f"optimizer.params.{name}"
+        if name in DS_REJECTED_OPTIMIZER_PARAMS:
+            findings.append(
+                error(
+                    key,
+                    f"`{name}` is not an optimizer parameter: DeepSpeed raises a ValueError for it",
+                    DS_REJECTED_OPTIMIZER_PARAMS[name],
+                )
+            )
+        elif accepted is not None and name not in accepted:
+            findings.append(_unknown(key, name, f"{kind}'s params", accepted))
+    return findings
+
+
+def _scheduler(section: Any) -> list[Finding]:
+    if not isinstance(section, dict):
+        return []
+    findings = [
+        _unknown(f"scheduler.{k}", k, "`scheduler`", {"type", "params"})
+        for k in section
+        if k not in ("type", "params")
+    ]
+    kind = str(section.get("type", ""))
+    accepted = DS_SCHEDULER_PARAMS.get(kind)
+    if accepted is None:
+        match = closest(kind, DS_SCHEDULER_PARAMS)
+        hint = f" (did you mean `{match}`?)" if match else ""
+        findings.append(
+            error(
+                "scheduler.type",
+                f"unknown scheduler `{kind}`{hint}",
+                f"use one of {', '.join(DS_SCHEDULER_PARAMS)}",
+            )
+        )
+        return findings
+    params = section.get("params")
+    if isinstance(params, dict):
+        findings += [
+            _unknown(f"scheduler.params.{k}", k, f"{kind}'s params", accepted)
+            for k in params
+            if k not in accepted
+        ]
+    return findings
+
+
+def _engine_combinations(raw: dict[str, Any]) -> list[Finding]:
+    """What DeepSpeed's engine asserts against at start-up."""
+    findings = []
+    zero = raw.get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    optimizer = raw.get("optimizer")
+    kind = str(optimizer.get("type", "")) if isinstance(optimizer, dict) else ""
+    if kind.lower() in _ONE_BIT and isinstance(stage, int) and stage >= 1:
+        findings.append(
+            error(
+                "optimizer.type",
+                f"{_ONE_BIT[kind.lower()]} does not work with ZeRO (stage {stage}): DeepSpeed's "
+                "1-bit optimizers compress the full gradient all-reduce, which ZeRO replaces",
+                'set "zero_optimization": {"stage": 0} with 1-bit optimizers, or use Adam/AdamW '
+                "with ZeRO",
+            )
+        )
+    pp = raw.get("pipeline_model_parallel_size") or _lookup(raw, "pipeline.stages")
+    if isinstance(pp, int) and pp > 1 and isinstance(stage, int) and stage >= 2:
+        findings.append(
+            error(
+                "zero_optimization.stage",
+                f"ZeRO stage {stage} with pipeline parallelism ({pp} stages): DeepSpeed's "
+                "PipelineEngine asserts ZeRO stage < 2 (gradients and parameters cannot be "
+                "partitioned across micro-batches)",
+                "use stage 1 (or 0) with pipeline parallelism",
+            )
+        )
+    return findings
+
+
+def _unknown(dotted: str, key: str, where: str, valid: Any) -> Finding:
+    pool = set(valid)
+    match = closest(key, pool)
+    if match and match != key:
+        return error(
+            dotted,
+            f"unknown key `{key}` in {where} (did you mean `{match}`?)",
+            f"rename it to `{match}`",
+        )
+    home = _home_of(key)
+    if home:
+        return error(
+            dotted,
+            f"`{key}` does not belong in {where}: it is a key of {home} (DeepSpeed rejects or "
+            "ignores it here)",
+            f"move it to {home}, or remove it",
+        )
+    shown = ", ".join(sorted(pool)[:12]) + (", ..." if len(pool) > 12 else "")
+    return error(dotted, f"unknown key `{key}` in {where}", f"valid keys there: {shown}")
+
+
+def _home_of(key: str) -> str | None:
+    """Where a misplaced key belongs: the top level, or the first section that has it."""
+    if key in DS_TOP_LEVEL:
+        return "the top level"
+    for section, keys in sorted(DS_SECTION_KEYS.items()):
+        if key in keys:
+            return f"`{section}`"
+    return None
+
+
+def _deprecated(dotted: str) -> Finding:
+    return warning(
+        dotted,
+        f"`{dotted}` is a deprecated DeepSpeed spelling",
+        f"use `{DS_DEPRECATED[dotted]}`"
+        if not DS_DEPRECATED[dotted].startswith("use ")
+        else DS_DEPRECATED[dotted],
+    )
+
+
+def _is_opaque(dotted: str) -> bool:
+    return any(dotted == s or dotted.startswith(f"{s}.") for s in DS_OPAQUE_SECTIONS)
+
+
+def _lookup(raw: dict[str, Any], dotted: str) -> Any:
+    node: Any = raw
+    for part in dotted.split("."):
+        if not isinstance(node, dict):
+            return None
+        node = node.get(part)
+    return node

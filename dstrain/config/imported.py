@@ -1,0 +1,54 @@
+"""What an import (DeepSpeed JSON, Megatron keys) produces, and the value coercions it shares."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dstrain.config.findings import Finding, error
+
+AUTO = "auto"
+
+
+@dataclass
+class Imported:
+    """A dstrain config dict built from a foreign config, plus what the import had to say.
+
+    `virtual_layers_per_stage` is Megatron's num_layers_per_virtual_pipeline_stage, which becomes
+    parallel.num_virtual_stages only once the model's layer count is known.
+    """
+
+    data: dict[str, Any] = field(default_factory=dict)
+    findings: list[Finding] = field(default_factory=list)
+    model_given: bool = False
+    virtual_layers_per_stage: int | None = None
+
+    def set(self, dotted: str, value: Any) -> None:
+        section, _, key = dotted.rpartition(".")
+        node = self.data
+        for part in section.split(".") if section else []:
+            node = node.setdefault(part, {})
+        node[key] = value
+
+
+def as_int(value: Any, key: str, findings: list[Finding], minimum: int = 0) -> int | None:
+    """An integer (1e9 and 8.0 count), or None with an error finding."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        findings.append(error(key, f"expected a whole number, got {value!r}", "write e.g. 8"))
+        return None
+    if value < minimum:
+        findings.append(error(key, f"must be >= {minimum}, got {value!r}"))
+        return None
+    return int(value)
+
+
+def as_float(value: Any, key: str, findings: list[Finding]) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        findings.append(error(key, f"expected a number, got {value!r}", "write e.g. 1e-4"))
+        return None
+    return float(value)
+
+
+def as_bool(value: Any, key: str, findings: list[Finding]) -> bool | None:
+    if isinstance(value, bool):
+        return value
+    findings.append(error(key, f"expected true or false, got {value!r}", "write true or false"))
+    return None

@@ -1,0 +1,163 @@
+"""Megatron-LM argument names -> dstrain config keys.
+
+People put Megatron's parallel and batch keys beside DeepSpeed's in one JSON (the configuration
+guides do), and Megatron-Core runs read the same names from YAML. Dashes and underscores are
+accepted alike (`--tensor-model-parallel-size` is `tensor_model_parallel_size`).
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+from dstrain.config.ds_keys import MEGATRON_ARGS
+from dstrain.config.findings import info
+from dstrain.config.imported import Imported, as_bool, as_float, as_int
+
+# Megatron dest -> (dstrain key, kind). Kinds: int, float, bool, str.
+_DIRECT: dict[str, tuple[str, str]] = {
+    "tensor_model_parallel_size": ("parallel.tp", "int"),
+    "pipeline_model_parallel_size": ("parallel.pp", "int"),
+    "expert_model_parallel_size": ("parallel.ep", "int"),
+    "context_parallel_size": ("parallel.cp", "int"),
+    "virtual_pipeline_model_parallel_size": ("parallel.num_virtual_stages", "int"),
+    "sequence_parallel": ("parallel.sequence_parallel", "bool"),
+    "micro_batch_size": ("train.micro_batch_size", "int"),
+    "global_batch_size": ("train.global_batch_size", "int"),
+    "seq_length": ("train.seq_len", "int"),
+    "train_iters": ("train.steps", "int"),
+    "seed": ("train.seed", "int"),
+    "clip_grad": ("train.grad_clip", "float"),
+    "lr": ("optim.lr", "float"),
+    "weight_decay": ("optim.weight_decay", "float"),
+    "adam_eps": ("optim.eps", "float"),
+    "lr_warmup_iters": ("lr.warmup_steps", "int"),
+    "lr_decay_iters": ("lr.decay_steps", "int"),
+    "save_interval": ("checkpoint.interval", "int"),
+    "log_interval": ("metrics.log_interval", "int"),
+}
+
+# Architecture keys: mapping any of them means the file names a model.
+_MODEL: dict[str, tuple[str, str]] = {
+    "num_layers": ("model.num_layers", "int"),
+    "hidden_size": ("model.dim", "int"),
+    "num_attention_heads": ("model.num_heads", "int"),
+    "num_query_groups": ("model.num_kv_heads", "int"),
+    "ffn_hidden_size": ("model.inter_dim", "int"),
+    "max_position_embeddings": ("model.max_seq_len", "int"),
+    "vocab_size": ("model.vocab_size", "int"),
+    "num_experts": ("model.num_routed_experts", "int"),
+    "moe_router_topk": ("model.num_activated_experts", "int"),
+    "moe_ffn_hidden_size": ("model.moe_inter_dim", "int"),
+    "moe_router_num_groups": ("model.n_group", "int"),
+    "moe_router_group_topk": ("model.topk_group", "int"),
+    "moe_router_topk_scaling_factor": ("model.route_scale", "float"),
+    "moe_router_score_function": ("model.score_func", "str"),
+    "moe_router_bias_update_rate": ("model.bias_update_speed", "float"),
+    "moe_aux_loss_coeff": ("model.aux_loss_alpha", "float"),
+    "q_lora_rank": ("model.q_lora_rank", "int"),
+    "kv_lora_rank": ("model.kv_lora_rank", "int"),
+    "qk_head_dim": ("model.qk_nope_head_dim", "int"),
+    "qk_pos_emb_head_dim": ("model.qk_rope_head_dim", "int"),
+    "v_head_dim": ("model.v_head_dim", "int"),
+    "mtp_num_layers": ("model.num_mtp_modules", "int"),
+    "mtp_loss_scaling_factor": ("model.mtp_loss_weight", "float"),
+    "rotary_base": ("model.rope_theta", "float"),
+    "norm_epsilon": ("model.norm_eps", "float"),
+}
+
+_SPECIAL = (
+    "num_layers_per_virtual_pipeline_stage",
+    "bf16",
+    "fp16",
+    "use_distributed_optimizer",
+    "recompute_granularity",
+    "lr_decay_style",
+    "adam_beta1",
+    "adam_beta2",
+    "min_lr",
+)
+
+
+def normalize(key: str) -> str:
+    return key.strip().lstrip("-").replace("-", "_")
+
+
+def known_keys() -> set[str]:
+    return set(MEGATRON_ARGS) | set(_DIRECT) | set(_MODEL) | set(_SPECIAL)
+
+
+def is_megatron_key(key: str) -> bool:
+    return normalize(key) in known_keys()
+
+
+def map_keys(items: dict[str, Any], out: Imported) -> None:
+    """Map Megatron keys into `out`; the ones that depend on others (min_lr on lr) go last."""
+    ordered = sorted(items.items(), key=lambda item: normalize(item[0]) in _SPECIAL)
+    for key, value in ordered:
+        map_key(key, value, out)
+
+
+def map_key(key: str, value: Any, out: Imported) -> None:
+    """Map one Megatron key into `out`, or report it as having no effect."""
+    name = normalize(key)
+    if name in _DIRECT or name in _MODEL:
+        target, kind = _DIRECT.get(name) or _MODEL[name]
+        converted = _CONVERT[kind](value, key, out)
+        if converted is not None:
+            out.set(target, converted)
+            out.model_given |= name in _MODEL
+    elif name in _SPECIAL:
+        _map_special(name, key, value, out)
+    else:
+        out.findings.append(info(key, "Megatron-LM argument with no dstrain equivalent: no effect"))
+
+
+def _map_special(name: str, key: str, value: Any, out: Imported) -> None:
+    if name == "num_layers_per_virtual_pipeline_stage":
+        out.virtual_layers_per_stage = as_int(value, key, out.findings, minimum=1)
+        out.set("parallel.pp_schedule", "interleaved-1f1b")
+    elif name in ("bf16", "fp16") and as_bool(value, key, out.findings):
+        out.set("train.precision", name)
+    elif name == "use_distributed_optimizer" and as_bool(value, key, out.findings):
+        out.set("parallel.zero_stage", 1)
+    elif name == "recompute_granularity" and value in ("full", "selective"):
+        out.set("train.activation_checkpoint", value)
+    elif name == "lr_decay_style":
+        styles = {"cosine": "cosine", "linear": "linear", "constant": "constant", "WSD": "wsd"}
+        if value in styles:
+            out.set("lr.schedule", styles[value])
+        else:
+            out.findings.append(info(key, f"decay style {value!r} has no dstrain equivalent"))
+    elif name in ("adam_beta1", "adam_beta2") and (beta := as_float(value, key, out.findings)):
+        betas = list(out.data.get("optim", {}).get("betas", [0.9, 0.95]))
+        betas[name == "adam_beta2"] = beta
+        out.set("optim.betas", betas)
+    elif name == "min_lr" and (floor := as_float(value, key, out.findings)) is not None:
+        peak = out.data.get("optim", {}).get("lr")
+        if peak:
+            out.set("lr.min_lr_ratio", min(1.0, floor / peak))
+        else:
+            out.findings.append(info(key, "min_lr needs lr beside it to become lr.min_lr_ratio"))
+
+
+def _to_int(value: Any, key: str, out: Imported) -> int | None:
+    return as_int(value, key, out.findings, minimum=0)
+
+
+def _to_float(value: Any, key: str, out: Imported) -> float | None:
+    return as_float(value, key, out.findings)
+
+
+def _to_bool(value: Any, key: str, out: Imported) -> bool | None:
+    return as_bool(value, key, out.findings)
+
+
+def _to_str(value: Any, key: str, out: Imported) -> str:
+    return str(value)
+
+
+_CONVERT: dict[str, Callable[[Any, str, Imported], Any]] = {
+    "int": _to_int,
+    "float": _to_float,
+    "bool": _to_bool,
+    "str": _to_str,
+}

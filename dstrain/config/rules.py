@@ -1,0 +1,433 @@
+"""The pre-flight rules `dstrain check` runs, and the trainer runs again before building anything.
+
+Each rule is a small function of a `CheckTarget` that returns findings. `RULES` lists them in the
+order they are reported; `dstrain check --rules` prints their one-line descriptions.
+"""
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from dstrain.config.batch import BatchPlan, resolve_batch
+from dstrain.config.findings import Finding, error, info, warning
+from dstrain.config.model_args import ModelArgs
+from dstrain.config.parallel_dims import ParallelDims, tp_spans_nodes
+from dstrain.config.schema import DstrainConfig
+from dstrain.errors import UserError
+from dstrain.hardware import GPUSpec, gpu_spec, network_gbps
+
+
+@dataclass(frozen=True)
+class CheckTarget:
+    """What the rules look at. `world_size`, `model` and `gpu` are None when not known."""
+
+    config: DstrainConfig
+    world_size: int | None
+    model: ModelArgs | None
+    gpu: GPUSpec | None
+
+    @property
+    def dims(self) -> ParallelDims | None:
+        p = self.config.parallel
+        world = self.world_size
+        if world is None and p.dp_shard != -1:
+            world = p.dp_replicate * p.dp_shard * p.cp * p.tp * p.pp
+        if world is None:
+            return None
+        return ParallelDims.resolve(
+            dp_replicate=p.dp_replicate,
+            dp_shard=p.dp_shard,
+            cp=p.cp,
+            tp=p.tp,
+            pp=p.pp,
+            ep=p.ep,
+            world_size=world,
+        )
+
+    @property
+    def batch(self) -> BatchPlan | None:
+        dims = self.dims
+        if dims is None or dims.dp < 1 or dims.validate():
+            return None
+        t = self.config.train
+        plan, _ = resolve_batch(
+            t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, dims.dp
+        )
+        return plan
+
+    @property
+    def num_microbatches(self) -> int | None:
+        n = self.config.parallel.num_microbatches
+        if n is not None:
+            return n
+        plan = self.batch
+        if plan is not None:
+            return plan.grad_accum_steps
+        return self.config.train.grad_accum_steps
+
+
+Rule = Callable[[CheckTarget], Iterable[Finding]]
+
+
+def rule_world_size(t: CheckTarget) -> Iterable[Finding]:
+    """The parallel degrees multiply to the world size; ep folds inside dp_shard x cp x tp."""
+    dims = t.dims
+    if dims is None:
+        yield info(
+            "parallel",
+            "world size unknown: the degree and batch checks need it",
+            "pass --world-size N (or --nodes N --gpus-per-node G), or set cluster.nodes/"
+            "cluster.gpus_per_node",
+        )
+        return
+    yield from dims.validate()
+    c = t.config.cluster
+    if t.world_size and "nodes" in c.model_fields_set and t.world_size != c.nodes * c.gpus_per_node:
+        yield error(
+            "cluster",
+            f"cluster.nodes x cluster.gpus_per_node = {c.nodes * c.gpus_per_node}, but the world "
+            f"size is {t.world_size}",
+            "make them agree, or drop --world-size to use the cluster section",
+        )
+    if span := tp_spans_nodes(dims, c.gpus_per_node):
+        yield span
+
+
+def rule_batch(t: CheckTarget) -> Iterable[Finding]:
+    """global batch = micro batch x gradient accumulation x dp; the missing one is inferred."""
+    dims = t.dims
+    tr = t.config.train
+    if dims is None or dims.dp < 1 or dims.validate():
+        if tr.global_batch_size and tr.micro_batch_size and tr.grad_accum_steps:
+            per_dp, rest = divmod(tr.global_batch_size, tr.micro_batch_size * tr.grad_accum_steps)
+            if rest:
+                yield error(
+                    "train.global_batch_size",
+                    f"global_batch_size {tr.global_batch_size} is not a multiple of micro "
+                    f"{tr.micro_batch_size} x grad_accum {tr.grad_accum_steps}, for any dp",
+                    "make global = micro x grad_accum x dp",
+                )
+            else:
+                yield info("train", f"the batch sizes imply dp = {per_dp}")
+        return
+    _, findings = resolve_batch(
+        tr.micro_batch_size, tr.global_batch_size, tr.grad_accum_steps, dims.dp
+    )
+    yield from findings
+
+
+def rule_pipeline_shape(t: CheckTarget) -> Iterable[Finding]:
+    """Stages per rank fit the schedule: 1 for gpipe/1f1b, >=2 interleaved, exactly 2 V-shaped."""
+    p = t.config.parallel
+    v, schedule = p.num_virtual_stages, p.pp_schedule
+    if p.pp == 1:
+        if v > 1:
+            yield warning(
+                "parallel.num_virtual_stages", f"{v} stages per rank has no effect at pp=1"
+            )
+        return
+    if schedule in ("zbv", "dualpipev") and v != 2:
+        yield error(
+            "parallel.num_virtual_stages",
+            f"{schedule} is V-shaped: it needs exactly 2 stages per rank (stages r and 2pp-1-r), "
+            f"got num_virtual_stages={v}",
+            "set parallel.num_virtual_stages = 2",
+        )
+    elif schedule == "interleaved-1f1b" and v < 2:
+        yield error(
+            "parallel.num_virtual_stages",
+            "interleaved-1f1b needs at least 2 stages per rank",
+            "set parallel.num_virtual_stages >= 2, or use pp_schedule = 1f1b",
+        )
+    elif schedule in ("gpipe", "1f1b") and v != 1:
+        yield error(
+            "parallel.num_virtual_stages",
+            f"{schedule} runs one stage per rank, got num_virtual_stages={v}",
+            "use pp_schedule = interleaved-1f1b for several stages per rank, or set it to 1",
+        )
+
+
+def rule_pipeline_microbatches(t: CheckTarget) -> Iterable[Finding]:
+    """Enough micro-batches for the schedule (upstream raises or hangs otherwise)."""
+    p = t.config.parallel
+    m = t.num_microbatches
+    if p.pp == 1 or m is None:
+        return
+    plan = t.batch
+    if p.num_microbatches and plan and p.num_microbatches != plan.grad_accum_steps:
+        yield error(
+            "parallel.num_microbatches",
+            f"num_microbatches={p.num_microbatches} but grad_accum_steps={plan.grad_accum_steps}:"
+            " under PP the micro-batches of one step are the accumulation steps",
+            "drop one of them (the other is inferred) or make them equal",
+        )
+    stages = p.pp * p.num_virtual_stages
+    needed = stages if p.pp_schedule == "dualpipev" else p.pp
+    if m < needed:
+        what = "stages" if p.pp_schedule == "dualpipev" else "pipeline ranks"
+        yield error(
+            "parallel.num_microbatches",
+            f"{m} micro-batch(es) per step for {needed} {what} under {p.pp_schedule}: upstream "
+            "rejects it (or the pipeline idles most of the step)",
+            f"use at least {needed} micro-batches (raise grad_accum_steps / global_batch_size); "
+            f"{4 * needed} or more keeps the bubble small",
+        )
+    rounds = max(1, m // p.pp)
+    if p.pp_schedule in ("interleaved-1f1b", "zbv") and m % rounds:
+        yield error(
+            "parallel.num_microbatches",
+            f"{p.pp_schedule} runs micro-batches in rounds of pp; {m} is not a multiple of "
+            f"{rounds} rounds",
+            f"use a multiple of pp={p.pp} micro-batches",
+        )
+
+
+def rule_pipeline_layers(t: CheckTarget) -> Iterable[Finding]:
+    """Layers divide evenly over pp x virtual stages, after first/last-stage trimming."""
+    p, model = t.config.parallel, t.model
+    if model is None or p.pp == 1:
+        return
+    stages = p.pp * p.num_virtual_stages
+    first, last = p.pp_first_stage_less_layers, p.pp_last_stage_less_layers
+    total = model.num_layers + first + last
+    if total % stages == 0 and total // stages - max(first, last) >= 0:
+        return
+    a, b = _suggest_trim(model.num_layers, stages)
+    yield error(
+        "parallel.pp",
+        f"{model.num_layers} layers (+{first} first, +{last} last trimmed) do not split evenly "
+        f"over {stages} stages (pp {p.pp} x {p.num_virtual_stages} per rank)",
+        f"set pp_first_stage_less_layers={a} and pp_last_stage_less_layers={b} (the embedding, "
+        "head and MTP take the place of layers), or change pp / num_virtual_stages",
+    )
+
+
+def _suggest_trim(layers: int, stages: int) -> tuple[int, int]:
+    extra = (-layers) % stages
+    return extra // 2, extra - extra // 2
+
+
+def rule_experts(t: CheckTarget) -> Iterable[Finding]:
+    """Routed experts divide by ep; group-limited routing is consistent."""
+    p, m = t.config.parallel, t.model
+    if m is None:
+        return
+    if p.ep > 1 and not m.is_moe:
+        yield error("parallel.ep", f"ep={p.ep} but the model has no routed experts", "set ep = 1")
+    elif p.ep > 1 and m.num_routed_experts % p.ep:
+        yield error(
+            "parallel.ep",
+            f"{m.num_routed_experts} routed experts do not divide over ep={p.ep}",
+            "choose ep among the divisors of num_routed_experts",
+        )
+    if not m.is_moe:
+        return
+    if m.num_routed_experts % m.n_group or m.topk_group > m.n_group:
+        yield error(
+            "model.n_group",
+            f"group-limited routing needs n_group | num_routed_experts and topk_group <= n_group "
+            f"(got {m.num_routed_experts} experts, n_group {m.n_group}, topk_group {m.topk_group})",
+            "set n_group to a divisor of num_routed_experts and topk_group <= n_group",
+        )
+    elif m.num_activated_experts > m.topk_group * (m.num_routed_experts // m.n_group):
+        yield error(
+            "model.num_activated_experts",
+            f"top-{m.num_activated_experts} cannot be chosen from {m.topk_group} group(s) of "
+            f"{m.num_routed_experts // m.n_group} experts",
+            "raise topk_group or lower num_activated_experts",
+        )
+
+
+def rule_tensor_parallel(t: CheckTarget) -> Iterable[Finding]:
+    """Heads, kv heads, vocab and FFN widths divide by tp; SP needs seq_len divisible by tp."""
+    p, m = t.config.parallel, t.model
+    if p.tp == 1:
+        if p.sequence_parallel and "sequence_parallel" in p.model_fields_set:
+            yield info("parallel.sequence_parallel", "has no effect at tp=1")
+        return
+    if p.sequence_parallel and t.config.train.seq_len % p.tp:
+        yield error(
+            "train.seq_len",
+            f"sequence parallel shards seq_len={t.config.train.seq_len} over tp={p.tp}",
+            f"use a seq_len that is a multiple of {p.tp}",
+        )
+    if m is None:
+        return
+    widths = {
+        "model.num_heads": m.num_heads,
+        "model.num_kv_heads": m.kv_heads,
+        "model.vocab_size": m.vocab_size,
+        "model.inter_dim": m.inter_dim,
+    }
+    if m.is_moe and m.num_shared_experts:
+        widths["model.moe_inter_dim"] = m.moe_inter_dim * m.num_shared_experts
+    for key, value in widths.items():
+        if value % p.tp:
+            yield error(
+                key,
+                f"{key.split('.')[1]}={value} does not divide by tp={p.tp}",
+                f"choose tp among the divisors of {value}, or change {key}",
+            )
+
+
+def rule_zero(t: CheckTarget) -> Iterable[Finding]:
+    """ZeRO stage fits the runtime: not 3 with PP; offload needs FSDP; hooks need DDP."""
+    p, comm = t.config.parallel, t.config.comm
+    if p.zero_stage == 3 and p.pp > 1:
+        yield error(
+            "parallel.zero_stage",
+            "ZeRO-3 with pipeline parallelism: the stages would all-gather their parameters once "
+            "per micro-batch, and upstream pipelining keeps FSDP modules unsharded for the whole "
+            "step anyway, so stage 3 buys no memory over stage 2",
+            "use zero_stage = 1 or 2 with pp > 1 (DeepSpeed's pipeline engine allows only 0-1)",
+        )
+    if p.offload_optimizer and p.zero_stage < 2:
+        yield error(
+            "parallel.offload_optimizer",
+            f"optimizer offload needs FSDP (zero_stage >= 2), got zero_stage={p.zero_stage}",
+            "set parallel.zero_stage = 2 or 3, or turn offload off",
+        )
+    elif p.offload_optimizer and not p.offload_params:
+        yield warning(
+            "parallel.offload_optimizer",
+            "FSDP2's CPU offload also keeps the sharded parameters and gradients on the CPU",
+            "expect parameter host-device traffic too; set offload_params = true to say so",
+        )
+    if p.offload_params and p.zero_stage != 3:
+        yield error(
+            "parallel.offload_params",
+            f"parameter offload needs zero_stage=3 (parameters are only partitioned there), got "
+            f"{p.zero_stage}",
+            "set zero_stage = 3, or offload_params = false",
+        )
+    if comm.compression != "none" and p.zero_stage >= 2:
+        yield error(
+            "comm.compression",
+            f"{comm.compression} compression is a DDP comm hook; FSDP (zero_stage "
+            f"{p.zero_stage}) cannot take hooks",
+            "use zero_stage 0 or 1 with compression, or set comm.compression = none",
+        )
+    dims = t.dims
+    if dims and dims.dp_shard == 1 and p.zero_stage > 0 and dims.world_size > 1:
+        yield info("parallel.zero_stage", f"ZeRO-{p.zero_stage} has nothing to shard at dp_shard=1")
+
+
+def rule_precision(t: CheckTarget) -> Iterable[Finding]:
+    """The precision suits the hardware (bf16 where it exists; never fp16 compute on CPU)."""
+    precision, gpu = t.config.train.precision, t.gpu
+    is_cpu = (t.config.cluster.gpu or "").lower() == "cpu"
+    if precision == "fp16" and is_cpu:
+        yield warning(
+            "train.precision",
+            "fp16 matmuls on CPUs run at a tiny fraction of fp32 speed",
+            "use bf16 (fast on AVX512-BF16/AMX CPUs) or fp32",
+        )
+    elif precision == "fp16" and (gpu is None or gpu.supports_bf16):
+        where = gpu.name if gpu else "every GPU since A100"
+        yield warning(
+            "train.precision",
+            f"fp16 chosen, but {where} supports bf16, which needs no loss scaling and does not "
+            "overflow",
+            "set train.precision = bf16 (DeepSpeed: bf16.enabled=true, fp16.enabled=false)",
+        )
+    if precision == "bf16" and gpu is not None and not gpu.supports_bf16:
+        yield error(
+            "train.precision",
+            f"{gpu.name} has no bf16 support",
+            "use fp16 with loss scaling on this GPU",
+        )
+
+
+def rule_optimizer(t: CheckTarget) -> Iterable[Finding]:
+    """Learning rate and schedule are plausible for the run length."""
+    c = t.config
+    if c.optim.name in ("adam", "adamw") and not 1e-6 <= c.optim.lr <= 1e-2:
+        side = "below" if c.optim.lr < 1e-6 else "above"
+        yield warning(
+            "optim.lr",
+            f"lr={c.optim.lr:g} is far {side} the usual 1e-5..1e-3 for Adam-type optimizers",
+            "check the exponent (pre-training LLMs uses ~1e-4..3e-3, fine-tuning ~1e-5..5e-5)",
+        )
+    if c.lr.warmup_steps >= c.train.steps and c.lr.schedule != "constant":
+        yield warning(
+            "lr.warmup_steps",
+            f"warmup_steps={c.lr.warmup_steps} >= train.steps={c.train.steps}: the schedule "
+            "never leaves warmup",
+            "shorten the warmup (1-5% of the steps is usual)",
+        )
+
+
+def rule_model(t: CheckTarget) -> Iterable[Finding]:
+    """The sequence fits the model's positions."""
+    m = t.model
+    if m is not None and t.config.train.seq_len > m.max_seq_len:
+        yield error(
+            "train.seq_len",
+            f"seq_len={t.config.train.seq_len} exceeds the model's max_seq_len={m.max_seq_len}",
+            "lower train.seq_len, or raise model.max_seq_len (with YaRN for long contexts)",
+        )
+
+
+def rule_paths(t: CheckTarget) -> Iterable[Finding]:
+    """Data and resume paths exist; checkpoints happen before the end."""
+    c = t.config
+    if c.data.source != "embedded" and not Path(c.data.source).exists():
+        yield error(
+            "data.source",
+            f"data path not found: {c.data.source}",
+            "point data.source at a .txt/.jsonl/.parquet file or folder, or use `embedded`",
+        )
+    if c.checkpoint.resume not in ("auto", "never") and not Path(c.checkpoint.resume).exists():
+        yield error(
+            "checkpoint.resume",
+            f"checkpoint to resume from not found: {c.checkpoint.resume}",
+            "pass an existing checkpoint directory, or `auto`/`never`",
+        )
+    if c.checkpoint.enable and c.checkpoint.interval > c.train.steps:
+        yield info(
+            "checkpoint.interval",
+            f"interval {c.checkpoint.interval} > steps {c.train.steps}: only the final "
+            "checkpoint will be written",
+        )
+
+
+def rule_cluster(t: CheckTarget) -> Iterable[Finding]:
+    """The GPU and network names are in the hardware table; timeouts suit the scale."""
+    c = t.config.cluster
+    if c.gpu and c.gpu.lower() != "cpu":
+        try:
+            gpu_spec(c.gpu)
+        except UserError as exc:
+            yield error("cluster.gpu", exc.message, exc.fix)
+    try:
+        network_gbps(c.network)
+    except UserError as exc:
+        yield error("cluster.network", exc.message, exc.fix)
+    if t.world_size and t.world_size >= 256 and t.config.comm.timeout_s < 300:
+        yield warning(
+            "comm.timeout_s",
+            f"timeout {t.config.comm.timeout_s:g}s at {t.world_size} ranks: the first NCCL "
+            "communicator setup and checkpoint barriers can take minutes",
+            "use >= 600 s at this scale",
+        )
+
+
+RULES: list[Rule] = [
+    rule_world_size,
+    rule_batch,
+    rule_pipeline_shape,
+    rule_pipeline_microbatches,
+    rule_pipeline_layers,
+    rule_experts,
+    rule_tensor_parallel,
+    rule_zero,
+    rule_precision,
+    rule_optimizer,
+    rule_model,
+    rule_paths,
+    rule_cluster,
+]
+
+
+def run_rules(target: CheckTarget) -> list[Finding]:
+    return [finding for rule in RULES for finding in rule(target)]

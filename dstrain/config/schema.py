@@ -1,0 +1,321 @@
+"""The typed config tree: one section per concern, every field described.
+
+Precedence: `--set section.key=value` on the command line > the config file > these defaults.
+`dstrain config --explain [section.key]` prints the descriptions below.
+"""
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from dstrain.config.model_args import ModelArgs
+
+
+class Section(BaseModel):
+    """Base of every section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _architecture_overrides() -> dict[str, Any]:
+    """Every ModelArgs field as an optional override of the chosen flavor."""
+    fields = {}
+    for name, field in ModelArgs.model_fields.items():
+        description = f"{field.description} None = the flavor's value."
+        fields[name] = (field.annotation | None, Field(None, description=description))
+    return fields
+
+
+_ModelOverrides = create_model(  # type: ignore[call-overload]
+    "_ModelOverrides", __base__=Section, **_architecture_overrides()
+)
+
+
+class ModelConfig(_ModelOverrides):  # type: ignore[misc, valid-type]
+    """Which model: a flavor (or a Hugging Face config.json), then per-field overrides."""
+
+    flavor: str = Field(
+        "debug",
+        description="Built-in architecture: debug, deepseek-v2-lite, deepseek-moe-16b, "
+        "deepseek-v3, deepseek-llm-7b. `dstrain config --explain model` lists them.",
+    )
+    hf_config: Path | None = Field(
+        None,
+        description="A Hugging Face config.json (deepseek_v3, deepseek_v2, llama...) to read the "
+        "architecture from instead of `flavor`. None = use the flavor.",
+    )
+
+
+class ParallelConfig(Section):
+    """How ranks are laid out. The product dp_replicate x dp_shard x cp x tp x pp is the world size;
+    ep is carved out of dp_shard x cp x tp (see `ParallelDims`)."""
+
+    dp_replicate: int = Field(
+        1, ge=1, description="Data-parallel replicas (the outer, replicated axis of HSDP)."
+    )
+    dp_shard: int = Field(
+        -1,
+        description="Data-parallel ranks over which ZeRO shards (stage 1: optimizer states, "
+        "2: + gradients, 3: + parameters; stage 0: plain data parallel). -1 = whatever the "
+        "world size leaves after the other axes.",
+    )
+    cp: int = Field(1, ge=1, description="Context-parallel degree (reserved; must be 1 for now).")
+    tp: int = Field(1, ge=1, description="Tensor-parallel degree. 1 = off.")
+    pp: int = Field(1, ge=1, description="Pipeline-parallel degree (ranks). 1 = off.")
+    ep: int = Field(
+        1,
+        ge=1,
+        description="Expert-parallel degree: routed experts are split over ep ranks taken from "
+        "dp_shard x cp x tp. 1 = every rank holds every expert.",
+    )
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        1,
+        description="ZeRO stage over dp_shard: 0 = DDP, 1 = DDP + sharded optimizer, "
+        "2 = FSDP2 keeping parameters after forward, 3 = FSDP2 resharding after forward.",
+    )
+    sequence_parallel: bool = Field(
+        True, description="Shard norms and dropout over the sequence when tp > 1."
+    )
+    offload_optimizer: bool = Field(
+        False,
+        description="ZeRO-Offload: optimizer states and step on the CPU (needs zero_stage>=2).",
+    )
+    offload_params: bool = Field(
+        False, description="Keep sharded parameters on the CPU between uses (needs zero_stage=3)."
+    )
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"] = Field(
+        "1f1b",
+        description="Pipeline schedule from torch.distributed.pipelining. zbv and dualpipev are "
+        "V-shaped: exactly 2 stages per rank.",
+    )
+    num_virtual_stages: int = Field(
+        1,
+        ge=1,
+        description="Model chunks (stages) per pipeline rank: 1 for gpipe/1f1b, >=2 for "
+        "interleaved-1f1b, exactly 2 for zbv/dualpipev.",
+    )
+    num_microbatches: int | None = Field(
+        None,
+        ge=1,
+        description="Micro-batches per pipeline step. None = train.grad_accum_steps (under PP the "
+        "micro-batches of one step are the gradient-accumulation steps).",
+    )
+    pp_first_stage_less_layers: int = Field(
+        0,
+        ge=0,
+        description="Layers fewer on the first stage, to pay for the embedding.",
+    )
+    pp_last_stage_less_layers: int = Field(
+        0,
+        ge=0,
+        description="Layers fewer on the last stage, to pay for the head and MTP modules.",
+    )
+
+
+class LossScaleConfig(Section):
+    """fp16 dynamic loss scaling (ignored for fp32 and bf16)."""
+
+    initial_scale_power: int = Field(16, ge=0, le=64, description="Start at 2**power.")
+    loss_scale: float = Field(0.0, ge=0, description="Static loss scale. 0 = dynamic scaling.")
+    loss_scale_window: int = Field(
+        1000, ge=1, description="Steps without overflow before the scale doubles."
+    )
+    hysteresis: int = Field(2, ge=1, description="Overflows tolerated before the scale halves.")
+    min_loss_scale: float = Field(1.0, gt=0, description="The scale never drops below this.")
+
+
+class TrainConfig(Section):
+    """Batch arithmetic, length, precision and memory of one run."""
+
+    steps: int = Field(200, gt=0, description="Optimizer steps to run.")
+    micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Sequences per rank per forward. None = inferred from global_batch_size / "
+        "(grad_accum_steps x dp), as DeepSpeed does; 8 when nothing else is given.",
+    )
+    global_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Sequences per optimizer step over all data-parallel ranks. None = "
+        "micro_batch_size x grad_accum_steps x dp.",
+    )
+    grad_accum_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Micro-batches accumulated per optimizer step. None = inferred (1 when the "
+        "batch sizes do not say otherwise).",
+    )
+    seq_len: int = Field(128, gt=0, description="Tokens per training sequence.")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32",
+        description="Compute precision: fp32, bf16 autocast (master weights stay fp32), or fp16 "
+        "with dynamic loss scaling (see train.loss_scale).",
+    )
+    loss_scale: LossScaleConfig = Field(default_factory=LossScaleConfig)
+    grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm. 0 = off.")
+    activation_checkpoint: Literal["none", "selective", "full"] = Field(
+        "none",
+        description="Recompute activations in backward: none, selective (attention and experts) "
+        "or full (every block).",
+    )
+    compile: bool = Field(False, description="torch.compile each transformer block.")
+    seed: int = Field(42, description="Seed for weights, data order and dropout.")
+    deterministic: bool = Field(
+        False, description="Deterministic kernels; bit-identical reruns on the same layout."
+    )
+
+
+class OptimConfig(Section):
+    """The optimizer (AdamW by default; no weight decay on norms and biases)."""
+
+    name: Literal["adamw", "adam", "sgd"] = Field("adamw", description="Optimizer.")
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam betas (beta1, beta2).")
+    eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
+    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay (AdamW).")
+
+
+class LRConfig(Section):
+    """Learning-rate schedule: linear warmup, then a decay."""
+
+    schedule: Literal["constant", "cosine", "linear", "wsd"] = Field(
+        "cosine",
+        description="After warmup: constant, cosine or linear decay to min_lr_ratio x lr, or "
+        "warmup-stable-decay (wsd).",
+    )
+    warmup_steps: int = Field(20, ge=0, description="Linear warmup steps from warmup_start_ratio.")
+    warmup_start_ratio: float = Field(
+        0.0, ge=0, le=1, description="Warmup starts at this fraction of the peak lr."
+    )
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of the peak.")
+    decay_steps: int | None = Field(
+        None, ge=0, description="Steps of decay after warmup. None = until train.steps."
+    )
+    wsd_decay_ratio: float = Field(
+        0.2, ge=0, le=1, description="wsd: fraction of the post-warmup steps spent decaying."
+    )
+
+
+class DataConfig(Section):
+    """Where tokens come from."""
+
+    source: str = Field(
+        "embedded",
+        description="`embedded` = a corpus built from the Python standard library's own source "
+        "(no download); or a path to a .txt/.jsonl/.parquet file or directory, or a directory of "
+        "tokenized shards.",
+    )
+    text_field: str = Field("text", description="JSONL/parquet column that holds the text.")
+    tokenizer: Literal["bpe", "bytes"] = Field(
+        "bpe",
+        description="`bpe`: byte-level BPE trained locally on the corpus (cached); `bytes`: raw "
+        "UTF-8 bytes (vocabulary 256).",
+    )
+    cache_dir: Path = Field(
+        Path(".cache/dstrain"), description="Where tokenizers and token shards are cached."
+    )
+    num_workers: int = Field(0, ge=0, description="Loader worker processes. 0 = in-process.")
+
+
+class CheckpointConfig(Section):
+    """When and how state is saved (DCP, sharded)."""
+
+    enable: bool = Field(True, description="Save checkpoints at all.")
+    interval: int = Field(
+        100, ge=1, description="Save a full checkpoint every N steps and at the end."
+    )
+    keep_last_k: int = Field(2, ge=0, description="Full checkpoints kept. 0 = keep all.")
+    async_mode: Literal["disabled", "async"] = Field(
+        "disabled", description="`async`: save in the background, overlapping training."
+    )
+    model_only_interval: int | None = Field(
+        None, ge=1, description="Also save model-only checkpoints every N steps. None = off."
+    )
+    resume: str = Field(
+        "auto",
+        description="`auto`: resume from the run directory's newest valid checkpoint if any; "
+        "`never`; or a checkpoint path.",
+    )
+
+
+class MetricsConfig(Section):
+    """What is logged, how often, and where."""
+
+    log_interval: int = Field(10, ge=1, description="Log metrics every N steps.")
+    jsonl: bool = Field(True, description="Write runs/<name>/metrics.jsonl.")
+    tensorboard: bool = Field(True, description="Write TensorBoard events to runs/<name>/tb/.")
+    prometheus_port: int | None = Field(
+        None, ge=1, le=65535, description="Serve Prometheus metrics on this port. None = off."
+    )
+    prometheus_host: str = Field("127.0.0.1", description="Address the Prometheus exporter binds.")
+    wandb: bool = Field(False, description="Log to Weights & Biases in offline mode if installed.")
+    timers: bool = Field(
+        True, description="Time data, forward, backward, optimizer and checkpoint phases."
+    )
+
+
+class CommConfig(Section):
+    """Collectives: backend, timeouts, gradient compression."""
+
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="`auto`: NCCL when CUDA is available, else gloo."
+    )
+    timeout_s: float = Field(
+        600.0, gt=0, description="Collective timeout; a stuck rank fails the job after this."
+    )
+    compression: Literal["none", "bf16", "fp16", "powersgd"] = Field(
+        "none",
+        description="DDP gradient compression hook (zero_stage 0 or 1 only; FSDP cannot "
+        "take hooks).",
+    )
+    powersgd_rank: int = Field(4, ge=1, description="PowerSGD matrix approximation rank.")
+    powersgd_start_iter: int = Field(
+        10, ge=2, description="PowerSGD runs plain all-reduce for the first N iterations."
+    )
+
+
+class ClusterConfig(Section):
+    """The machines, for plan, check and deploy."""
+
+    gpu: str | None = Field(
+        None,
+        description="GPU type from the hardware table (A100-80GB, H100, H800, ...; `cpu` for a "
+        "CPU host). None = unknown.",
+    )
+    nodes: int = Field(1, ge=1, description="Nodes in the job.")
+    gpus_per_node: int = Field(8, ge=1, description="Accelerators (ranks) per node.")
+    network: str = Field(
+        "ib-ndr", description="Inter-node network preset (ib-hdr, ib-ndr, roce-200, eth-100)."
+    )
+    inter_node_gbps: float | None = Field(
+        None, gt=0, description="Per-GPU inter-node bandwidth in GB/s. None = the preset's."
+    )
+
+
+class RunConfig(Section):
+    """Naming and placement of the run directory."""
+
+    name: str = Field("default", description="Run name: the directory runs/<name>/.")
+    root: Path = Field(Path("runs"), description="Folder that holds run directories.")
+
+
+class DstrainConfig(Section):
+    """The whole run. Sections: run, model, parallel, train, optim, lr, data, checkpoint, metrics,
+    comm, cluster."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    lr: LRConfig = Field(default_factory=LRConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    comm: CommConfig = Field(default_factory=CommConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+
+SECTION_NAMES: tuple[str, ...] = tuple(DstrainConfig.model_fields)

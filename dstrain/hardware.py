@@ -1,0 +1,109 @@
+"""The accelerator and network table shared by `plan`, `check` and the MFU metric.
+
+Peaks are dense (no sparsity) tensor-core figures from the vendors' datasheets; link bandwidths are
+per GPU and per direction. Nothing else in dstrain may hard-code a peak.
+"""
+
+from dataclasses import dataclass
+
+from dstrain.config.suggest import did_you_mean
+from dstrain.errors import UserError
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator. TFLOP/s are dense peaks; None means the format is not supported."""
+
+    name: str
+    bf16_tflops: float | None
+    fp16_tflops: float
+    fp8_tflops: float | None
+    fp32_tflops: float
+    hbm_gb: float
+    hbm_tbps: float
+    intra_node_gbps: float  # per GPU, one direction (NVLink / Infinity Fabric / PCIe)
+    intra_node_link: str
+
+    @property
+    def supports_bf16(self) -> bool:
+        return self.bf16_tflops is not None
+
+    def peak_tflops(self, precision: str) -> float:
+        """Dense peak for a training precision (`bf16`, `fp16`, `fp8`, `fp32`)."""
+        peak = {
+            "bf16": self.bf16_tflops,
+            "fp16": self.fp16_tflops,
+            "fp8": self.fp8_tflops,
+            "fp32": self.fp32_tflops,
+        }[precision]
+        if peak is None:
+            raise UserError(
+                f"{self.name} has no {precision} tensor cores",
+                "choose a precision it supports (fp16 on V100)",
+                exit_code=1,
+            )
+        return peak
+
+
+GPUS: dict[str, GPUSpec] = {
+    spec.name.lower(): spec
+    for spec in (
+        GPUSpec("V100", None, 125.0, None, 15.7, 32, 0.90, 150, "NVLink2"),
+        GPUSpec("A100-40GB", 312.0, 312.0, None, 19.5, 40, 1.555, 300, "NVLink3"),
+        GPUSpec("A100-80GB", 312.0, 312.0, None, 19.5, 80, 2.039, 300, "NVLink3"),
+        GPUSpec("H100", 989.0, 989.0, 1979.0, 67.0, 80, 3.35, 450, "NVLink4"),
+        GPUSpec("H800", 989.0, 989.0, 1979.0, 67.0, 80, 3.35, 200, "NVLink4 (export)"),
+        GPUSpec("H200", 989.0, 989.0, 1979.0, 67.0, 141, 4.8, 450, "NVLink4"),
+        GPUSpec("B200", 2250.0, 2250.0, 4500.0, 80.0, 180, 8.0, 900, "NVLink5"),
+        GPUSpec("RTX4090", 165.2, 165.2, 330.3, 82.6, 24, 1.008, 32, "PCIe4 x16"),
+        GPUSpec("L40S", 362.0, 362.0, 733.0, 91.6, 48, 0.864, 32, "PCIe4 x16"),
+        GPUSpec("MI250X", 383.0, 383.0, None, 47.9, 128, 3.2, 200, "Infinity Fabric"),
+        GPUSpec("MI300X", 1307.0, 1307.0, 2615.0, 163.4, 192, 5.3, 448, "Infinity Fabric"),
+    )
+}
+
+_ALIASES = {
+    "a100": "a100-80gb",
+    "a100-40g": "a100-40gb",
+    "a100-80g": "a100-80gb",
+    "h100-sxm": "h100",
+    "h100-80gb": "h100",
+    "rtx-4090": "rtx4090",
+    "4090": "rtx4090",
+    "v100-32gb": "v100",
+    "v100-sxm2": "v100",
+}
+
+# Inter-node presets: per-GPU bandwidth in GB/s, one direction, assuming one NIC per GPU.
+NETWORKS: dict[str, float] = {
+    "ib-hdr": 25.0,  # 200 Gb/s HDR InfiniBand
+    "ib-ndr": 50.0,  # 400 Gb/s NDR InfiniBand
+    "roce-200": 25.0,
+    "roce-400": 50.0,
+    "eth-100": 12.5,
+}
+
+
+def gpu_spec(name: str) -> GPUSpec:
+    """Look a GPU up by name, case-insensitively; an unknown name lists the known ones."""
+    key = name.strip().lower().replace("_", "-").replace(" ", "-")
+    key = _ALIASES.get(key, key)
+    if key in GPUS:
+        return GPUS[key]
+    names = [spec.name for spec in GPUS.values()]
+    raise UserError(
+        f"unknown GPU `{name}`{did_you_mean(name, names)}",
+        f"use one of: {', '.join(names)}",
+        exit_code=1,
+    )
+
+
+def network_gbps(preset: str) -> float:
+    key = preset.strip().lower()
+    if key in NETWORKS:
+        return NETWORKS[key]
+    raise UserError(
+        f"unknown network preset `{preset}`{did_you_mean(preset, NETWORKS)}",
+        f"use one of {', '.join(NETWORKS)}, or set cluster.inter_node_gbps",
+        exit_code=1,
+    )
