@@ -49,6 +49,7 @@ def from_deepspeed(raw: dict[str, Any]) -> Imported:
     foreign = {k: v for k, v in raw.items() if k not in ds_lint.top_level_keys()}
     megatron.map_keys({k: v for k, v in foreign.items() if megatron.is_megatron_key(k)}, out)
     for key, value in raw.items():
+        out.current = key
         if key in _MAPPERS:
             _MAPPERS[key](value, out, raw)
         elif key in _NO_EFFECT:
@@ -164,10 +165,10 @@ def _map_optimizer_params(params: dict[str, Any], out: Imported) -> None:
         elif name in ("lr", "eps", "weight_decay"):
             number = as_float(value, key, out.findings)
             if number is not None:
-                out.set(f"optim.{name}", number)
+                out.set(f"optim.{name}", number, key)
         elif name == "betas":
             if isinstance(value, list) and len(value) == 2:
-                out.set("optim.betas", [float(v) for v in value])
+                out.set("optim.betas", [float(v) for v in value], key)
             else:
                 out.findings.append(error(key, f"expected [beta1, beta2], got {value!r}"))
         elif name not in ds_lint.REJECTED_OPTIMIZER_PARAMS:
@@ -221,24 +222,24 @@ def _map_fp16(value: Any, out: Imported, raw: dict[str, Any]) -> None:
     if not isinstance(value, dict):
         return
     if value.get("enabled") is True:
-        out.set("train.precision", "fp16")
+        out.set("train.precision", "fp16", "fp16.enabled")
     for name in ("initial_scale_power", "loss_scale_window", "hysteresis"):
         if name in value and value[name] != AUTO:
             n = as_int(value[name], f"fp16.{name}", out.findings, minimum=0)
             if n is not None:
-                out.set(f"train.loss_scale.{name}", n)
+                out.set(f"train.loss_scale.{name}", n, f"fp16.{name}")
     for name in ("loss_scale", "min_loss_scale"):
         if name in value and value[name] != AUTO:
             x = as_float(value[name], f"fp16.{name}", out.findings)
             if x is not None:
-                out.set(f"train.loss_scale.{name}", x)
+                out.set(f"train.loss_scale.{name}", x, f"fp16.{name}")
 
 
 def _map_bf16(value: Any, out: Imported, raw: dict[str, Any]) -> None:
     if isinstance(value, bool):  # Megatron's --bf16 flag
         megatron.map_key("bf16", value, out)
     if isinstance(value, dict) and value.get("enabled") is True:
-        out.set("train.precision", "bf16")
+        out.set("train.precision", "bf16", "bf16.enabled")
 
 
 def _map_zero(value: Any, out: Imported, raw: dict[str, Any]) -> None:
@@ -250,7 +251,7 @@ def _map_zero(value: Any, out: Imported, raw: dict[str, Any]) -> None:
         out.findings.append(error("zero_optimization.stage", f"stage {stage} does not exist (0-3)"))
         stage = None
     if stage is not None:
-        out.set("parallel.zero_stage", stage)
+        out.set("parallel.zero_stage", stage, "zero_optimization.stage")
     for name in value:
         reason = _NO_EFFECT.get(f"zero_optimization.{name}")
         if reason:
@@ -273,9 +274,9 @@ def _map_offload(zero: dict[str, Any], stage: int, out: Imported) -> None:
                 warning(f"zero_optimization.{key}", "NVMe offload is not supported; using CPU")
             )
     if optimizer in ("cpu", "nvme"):
-        out.set("parallel.offload_optimizer", True)
+        out.set("parallel.offload_optimizer", True, "zero_optimization.offload_optimizer")
     if params in ("cpu", "nvme"):
-        out.set("parallel.offload_params", True)
+        out.set("parallel.offload_params", True, "zero_optimization.offload_param")
     if "offload_param" in zero and stage < 3:
         out.findings.append(
             warning(
@@ -313,14 +314,14 @@ def _map_activation_checkpointing(value: Any, out: Imported, raw: dict[str, Any]
 
 def _map_pipeline(value: Any, out: Imported, raw: dict[str, Any]) -> None:
     if isinstance(value, dict) and isinstance(value.get("stages"), int):
-        out.set("parallel.pp", value["stages"])
+        out.set("parallel.pp", value["stages"], "pipeline.stages")
 
 
 def _map_tensor_parallel(value: Any, out: Imported, raw: dict[str, Any]) -> None:
     if isinstance(value, dict) and "autotp_size" in value:
         size = as_int(value["autotp_size"], "tensor_parallel.autotp_size", out.findings, 1)
         if size is not None:
-            out.set("parallel.tp", size)
+            out.set("parallel.tp", size, "tensor_parallel.autotp_size")
 
 
 def _map_comm_dtype(value: Any, out: Imported, raw: dict[str, Any]) -> None:

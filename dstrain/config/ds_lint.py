@@ -34,6 +34,15 @@ _TORCH_OPTIMIZERS = {
     "sparseadam",
     "adafactor",
 }
+_LEGACY = {
+    "amp",
+    "curriculum_learning",
+    "elasticity",
+    "nebula",
+    "sparse_attention",
+    "eigenvalue",
+    "progressive_layer_drop",
+}
 _ONE_BIT = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
 
 
@@ -170,15 +179,18 @@ def _engine_combinations(raw: dict[str, Any]) -> list[Finding]:
                 "with ZeRO",
             )
         )
+    # Stage 3 with PP is refused by dstrain's own rule too (rules.rule_zero); stage 2 is legal in
+    # dstrain but not in DeepSpeed, so only that case needs saying here.
     pp = raw.get("pipeline_model_parallel_size") or _lookup(raw, "pipeline.stages")
-    if isinstance(pp, int) and pp > 1 and isinstance(stage, int) and stage >= 2:
+    if isinstance(pp, int) and pp > 1 and stage == 2:
         findings.append(
             error(
                 "zero_optimization.stage",
                 f"ZeRO stage {stage} with pipeline parallelism ({pp} stages): DeepSpeed's "
                 "PipelineEngine asserts ZeRO stage < 2 (gradients and parameters cannot be "
                 "partitioned across micro-batches)",
-                "use stage 1 (or 0) with pipeline parallelism",
+                "use stage 1 (or 0) with pipeline parallelism in DeepSpeed; dstrain itself runs "
+                "ZeRO-2 with PP (`dstrain convert` this file)",
             )
         )
     return findings
@@ -206,10 +218,11 @@ def _unknown(dotted: str, key: str, where: str, valid: Any) -> Finding:
 
 
 def _home_of(key: str) -> str | None:
-    """Where a misplaced key belongs: the top level, or the first section that has it."""
+    """Where a misplaced key belongs: the top level, or the first section that has it (current
+    sections before legacy ones such as `amp`)."""
     if key in DS_TOP_LEVEL:
         return "the top level"
-    for section, keys in sorted(DS_SECTION_KEYS.items()):
+    for section, keys in sorted(DS_SECTION_KEYS.items(), key=lambda kv: (kv[0] in _LEGACY, kv[0])):
         if key in keys:
             return f"`{section}`"
     return None

@@ -13,15 +13,19 @@ class Imported:
     """A dstrain config dict built from a foreign config, plus what the import had to say.
 
     `virtual_layers_per_stage` is Megatron's num_layers_per_virtual_pipeline_stage, which becomes
-    parallel.num_virtual_stages only once the model's layer count is known.
+    parallel.num_virtual_stages only once the model's layer count is known. `origins` maps each
+    dstrain key that was set to the foreign key it came from, so findings can name the user's key.
     """
 
     data: dict[str, Any] = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
     model_given: bool = False
     virtual_layers_per_stage: int | None = None
+    origins: dict[str, str] = field(default_factory=dict)
+    current: str = ""  # the foreign key being mapped; the default origin of `set`
 
-    def set(self, dotted: str, value: Any) -> None:
+    def set(self, dotted: str, value: Any, source: str | None = None) -> None:
+        self.origins[dotted] = source or self.current
         section, _, key = dotted.rpartition(".")
         node = self.data
         for part in section.split(".") if section else []:

@@ -28,6 +28,7 @@ class LoadedConfig:
     findings: list[Finding] = field(default_factory=list)
     model_given: bool = True
     virtual_layers_per_stage: int | None = None
+    origins: dict[str, str] = field(default_factory=dict)  # dstrain key -> the file's own key
 
 
 def detect_source(raw: dict[str, Any]) -> Source:
@@ -53,15 +54,21 @@ def load_config(path: Path | None, overrides: list[str] | None = None) -> Loaded
     findings: list[Finding] = []
     model_given = source != "deepspeed"
     virtual_layers = None
+    origins: dict[str, str] = {}
     data = raw
     if source == "deepspeed":
         imported = from_deepspeed(raw)
         data, findings = imported.data, imported.findings
         model_given = imported.model_given
         virtual_layers = imported.virtual_layers_per_stage
+        origins = imported.origins
     model_given |= any(parse_override(t)[0][0] == "model" for t in overrides)
     config, schema_findings = build_config(apply_overrides(data, overrides))
-    return LoadedConfig(config, source, findings + schema_findings, model_given, virtual_layers)
+    for text in overrides:  # a --set key is the user's own spelling again
+        origins.pop(".".join(parse_override(text)[0]), None)
+    return LoadedConfig(
+        config, source, findings + schema_findings, model_given, virtual_layers, origins
+    )
 
 
 def to_toml(config: DstrainConfig) -> str:

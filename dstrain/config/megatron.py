@@ -99,6 +99,7 @@ def map_keys(items: dict[str, Any], out: Imported) -> None:
 def map_key(key: str, value: Any, out: Imported) -> None:
     """Map one Megatron key into `out`, or report it as having no effect."""
     name = normalize(key)
+    out.current = key
     if name in _DIRECT or name in _MODEL:
         target, kind = _DIRECT.get(name) or _MODEL[name]
         converted = _CONVERT[kind](value, key, out)

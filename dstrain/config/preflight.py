@@ -3,6 +3,8 @@
 The trainer calls `preflight` too, before any process group exists, and refuses to start on errors.
 """
 
+from dataclasses import replace
+
 from dstrain.config.findings import Finding, error, info
 from dstrain.config.flavors import resolve_model_args
 from dstrain.config.load import LoadedConfig
@@ -18,8 +20,16 @@ def preflight(loaded: LoadedConfig, world_size: int | None) -> list[Finding]:
     model = _model(loaded, findings)
     _apply_virtual_layers(loaded, model, findings)
     target = CheckTarget(loaded.config, world_size, model, _gpu(loaded))
-    findings.extend(run_rules(target))
+    findings.extend(_in_users_words(run_rules(target), loaded.origins))
     return findings
+
+
+def _in_users_words(findings: list[Finding], origins: dict[str, str]) -> list[Finding]:
+    """Name the key of the user's own file next to ours: `zero_optimization.stage
+    (parallel.zero_stage)` for a DeepSpeed config."""
+    return [
+        replace(f, key=f"{origins[f.key]} ({f.key})") if origins.get(f.key) else f for f in findings
+    ]
 
 
 def _model(loaded: LoadedConfig, findings: list[Finding]) -> ModelArgs | None:

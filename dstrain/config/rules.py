@@ -80,7 +80,10 @@ def rule_world_size(t: CheckTarget) -> Iterable[Finding]:
             "cluster.gpus_per_node",
         )
         return
-    yield from dims.validate()
+    problems = dims.validate()
+    yield from problems
+    if not problems:
+        yield info("parallel", f"layout: {dims.describe()}")
     c = t.config.cluster
     if t.world_size and "nodes" in c.model_fields_set and t.world_size != c.nodes * c.gpus_per_node:
         yield error(

@@ -14,19 +14,25 @@ def _by_key(findings, severity=None):
 
 
 def test_guide_example_at_2048_gpus(shared, cli):
-    result = cli(
-        "check", shared / "examples/ds_config_guide.json", "--world-size", "2048", "--json"
-    )
+    result = cli("check", shared / "examples/ds_config_guide.json", "--world-size", "2048", "--json")
     assert result.code == 1
     found = {(f["severity"], f["key"]): f for f in result.json()}
-    # ZeRO-3 cannot run under pipeline parallelism (DeepSpeed's engine and ours).
-    assert ("error", "zero_optimization.stage") in found
-    assert ("error", "parallel.zero_stage") in found
+    # ZeRO-3 cannot run under pipeline parallelism; the finding names the user's own key.
+    assert ("error", "zero_optimization.stage (parallel.zero_stage)") in found
     # fp16 where bf16 exists.
-    assert ("warning", "train.precision") in found
+    assert ("warning", "fp16.enabled (train.precision)") in found
     # The micro batch was inferred: 2048 / (8 x dp 64) = 4.
     inferred = found[("info", "train.micro_batch_size")]["message"]
     assert "micro_batch_size = 4" in inferred and "dp 64" in inferred
+    layout = found[("info", "parallel")]["message"]
+    assert "pp8 x dp_shard64 x tp4 = 2048 ranks" in layout and "ep8" in layout
+
+
+def test_guide_example_with_a_model_checks_the_split(shared, cli):
+    result = cli("check", shared / "examples/ds_config_guide.json", "--world-size", "2048",
+                 "--set", "model.flavor=deepseek-v3", "--json")
+    keys = {f["key"] for f in result.json() if f["severity"] == "error"}
+    assert "pipeline_model_parallel_size (parallel.pp)" in keys  # 61 layers over 8 stages
 
 
 def test_guide_example_maps_every_key(shared):
@@ -99,13 +105,13 @@ def test_mistake_fixtures_are_caught(shared, cli):
 @pytest.mark.parametrize("name", ["08_onebitadam_lr1e-8_dsexamples_pr63.json"])
 def test_tiny_learning_rate_is_flagged(shared, name):
     findings = preflight(load_config(shared / "fixtures/deepspeed/mistakes" / name), None)
-    assert "optim.lr" in _by_key(findings, "warning")
+    assert "optimizer.params.lr (optim.lr)" in _by_key(findings, "warning")
 
 
 def test_hard_coded_fp16_in_an_auto_config_is_flagged(shared):
     path = shared / "fixtures/deepspeed/mistakes/17_fp16_hardcoded_vs_bf16_medicalgpt288.json"
     findings = _by_key(preflight(load_config(path), None), "warning")
-    assert "auto" in findings["fp16.enabled"].message
+    assert "`auto`" in findings["fp16.enabled"].message
 
 
 def test_valid_fixtures_pass_and_convert(shared, cli, tmp_path):
@@ -190,7 +196,8 @@ def test_deepspeed_zero_with_pipeline_and_onebit(tmp_path):
         )
     )
     found = _by_key(preflight(load_config(path), 4), "error")
-    assert "PipelineEngine" in found["zero_optimization.stage"].message
+    assert "PipelineEngine" in found["zero_optimization.stage"].message  # DeepSpeed-only limit
+    assert "pipeline.stages (parallel.pp)" not in found
     assert "OneBitAdam" in found["optimizer.type"].message
 
 
