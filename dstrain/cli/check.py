@@ -57,9 +57,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json([f.as_dict() for f in findings])
     else:
-        what = {"deepspeed": "DeepSpeed config", "dstrain": "dstrain config"}.get(
-            loaded.source, "defaults"
-        )
+        what = {
+            "deepspeed": "DeepSpeed/Megatron config",
+            "dstrain": "dstrain config",
+            "script": "launch script",
+        }.get(loaded.source, "defaults")
         where = f"world size {world}" if world else "world size unknown"
         print_findings(f"{args.config or 'defaults'} ({what}, {where})", findings)
     return 1 if has_errors(findings) else 0

@@ -58,6 +58,7 @@ def from_deepspeed(raw: dict[str, Any]) -> Imported:
             out.findings.append(info(key, "DeepSpeed-only feature: not mapped, no effect here"))
     _batch_findings(raw, out)
     _precision_findings(raw, out)
+    megatron.finish(out)
     return out
 
 

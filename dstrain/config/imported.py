@@ -22,6 +22,7 @@ class Imported:
     model_given: bool = False
     virtual_layers_per_stage: int | None = None
     origins: dict[str, str] = field(default_factory=dict)
+    samples: dict[str, int] = field(default_factory=dict)  # Megatron *_samples, until steps
     current: str = ""  # the foreign key being mapped; the default origin of `set`
 
     def set(self, dotted: str, value: Any, source: str | None = None) -> None:

@@ -34,7 +34,10 @@ def read_text(path: Path) -> str:
 
 def read_config_file(path: Path) -> dict[str, Any]:
     """Parse `path` by its extension (or by content when it has none) into a dict."""
-    text = read_text(path)
+    return parse_config_text(read_text(path), path)
+
+
+def parse_config_text(text: str, path: Path) -> dict[str, Any]:
     kind = _FORMATS.get(path.suffix.lower()) or _sniff(text)
     data = parse_text(text, kind, str(path))
     if data is None:

@@ -11,12 +11,14 @@ from dstrain.config import megatron
 from dstrain.config.deepspeed import from_deepspeed
 from dstrain.config.ds_keys import DS_TOP_LEVEL
 from dstrain.config.findings import Finding
-from dstrain.config.io import dump_toml, read_config_file
+from dstrain.config.imported import Imported
+from dstrain.config.io import dump_toml, parse_config_text, read_text
+from dstrain.config.launch_script import import_launch_script, looks_like_script
 from dstrain.config.overrides import apply_overrides, parse_override
 from dstrain.config.schema import SECTION_NAMES, DstrainConfig
 from dstrain.config.validate import build_config
 
-Source = Literal["defaults", "dstrain", "deepspeed"]
+Source = Literal["defaults", "dstrain", "deepspeed", "script"]
 
 
 @dataclass
@@ -47,28 +49,33 @@ def load_config(path: Path | None, overrides: list[str] | None = None) -> Loaded
     """Read `path` (None = defaults), apply overrides, validate. Schema problems become findings;
     unreadable input raises UserError."""
     overrides = overrides or []
-    for text in overrides:
-        parse_override(text)  # malformed --set fails before the file is read
-    raw = read_config_file(path) if path is not None else {}
-    source: Source = detect_source(raw) if path is not None else "defaults"
-    findings: list[Finding] = []
-    model_given = source != "deepspeed"
-    virtual_layers = None
-    origins: dict[str, str] = {}
-    data = raw
-    if source == "deepspeed":
-        imported = from_deepspeed(raw)
-        data, findings = imported.data, imported.findings
-        model_given = imported.model_given
-        virtual_layers = imported.virtual_layers_per_stage
-        origins = imported.origins
-    model_given |= any(parse_override(t)[0][0] == "model" for t in overrides)
-    config, schema_findings = build_config(apply_overrides(data, overrides))
-    for text in overrides:  # a --set key is the user's own spelling again
-        origins.pop(".".join(parse_override(text)[0]), None)
+    keys = [".".join(parse_override(text)[0]) for text in overrides]  # malformed --set fails first
+    source, imported = _read(path)
+    config, schema_findings = build_config(apply_overrides(imported.data, overrides))
+    for key in keys:  # a --set key is the user's own spelling again
+        imported.origins.pop(key, None)
     return LoadedConfig(
-        config, source, findings + schema_findings, model_given, virtual_layers, origins
+        config,
+        source,
+        imported.findings + schema_findings,
+        imported.model_given or any(k.startswith("model.") for k in keys),
+        imported.virtual_layers_per_stage,
+        imported.origins,
     )
+
+
+def _read(path: Path | None) -> tuple[Source, Imported]:
+    """The file as a dstrain config dict: our own format as is, foreign ones imported."""
+    if path is None:
+        return "defaults", Imported(model_given=True)
+    text = read_text(path)
+    if looks_like_script(path.suffix, text):
+        return "script", import_launch_script(text)
+    data = parse_config_text(text, path)
+    source = detect_source(data)
+    if source == "deepspeed":
+        return source, from_deepspeed(data)
+    return source, Imported(data=data, model_given=True)
 
 
 def to_toml(config: DstrainConfig) -> str:

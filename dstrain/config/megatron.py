@@ -55,6 +55,8 @@ _MODEL: dict[str, tuple[str, str]] = {
     "moe_aux_loss_coeff": ("model.aux_loss_alpha", "float"),
     "q_lora_rank": ("model.q_lora_rank", "int"),
     "kv_lora_rank": ("model.kv_lora_rank", "int"),
+    "kv_channels": ("model.head_dim", "int"),
+    "pad_vocab_size_to": ("model.vocab_size", "int"),
     "qk_head_dim": ("model.qk_nope_head_dim", "int"),
     "qk_pos_emb_head_dim": ("model.qk_rope_head_dim", "int"),
     "v_head_dim": ("model.v_head_dim", "int"),
@@ -64,7 +66,62 @@ _MODEL: dict[str, tuple[str, str]] = {
     "norm_epsilon": ("model.norm_eps", "float"),
 }
 
+# Megatron-DeepSpeed (and older Megatron-LM) arguments that today's arguments.py no longer has.
+_LEGACY = {
+    "checkpoint_activations",
+    "checkpoint_num_layers",
+    "zero_stage",
+    "deepspeed",
+    "deepspeed_config",
+    "deepspeed_activation_checkpointing",
+    "train_samples",
+    "lr_warmup_samples",
+    "lr_decay_samples",
+    "rampup_batch_size",
+    "pp_partition_method",
+    "data_impl",
+    "DDP_impl",
+    "distributed_backend",
+    "partition_activations",
+    "contigious_checkpointing",
+    "synchronize_each_layer",
+    "embed_layernorm",
+    "kill_switch_path",
+    "train_weighted_split_paths_path",
+    "valid_weighted_split_paths_path",
+    "tokenizer_type",
+    "tokenizer_name_or_path",
+    "abort_on_unmet_fused_kernel_constraints",
+    "position_embedding_type",
+    "log_batch_size_to_tensorboard",
+    "log_validation_ppl_to_tensorboard",
+    "tensorboard_queue_size",
+    "log_timers_to_tensorboard",
+    "exit_duration_in_mins",
+    "init_method_std",
+    "optimizer",
+    "valid_num_workers",
+    "num_workers",
+    "split",
+    "vocab_file",
+    "merge_file",
+    "data_path",
+    "save",
+    "load",
+    "eval_interval",
+    "eval_iters",
+    "tensorboard_dir",
+    "seq_parallel",
+}
+
 _SPECIAL = (
+    "checkpoint_activations",
+    "zero_stage",
+    "train_samples",
+    "lr_warmup_samples",
+    "lr_decay_samples",
+    "pp_partition_method",
+    "multi_latent_attention",
     "num_layers_per_virtual_pipeline_stage",
     "bf16",
     "fp16",
@@ -82,7 +139,7 @@ def normalize(key: str) -> str:
 
 
 def known_keys() -> set[str]:
-    return set(MEGATRON_ARGS) | set(_DIRECT) | set(_MODEL) | set(_SPECIAL)
+    return set(MEGATRON_ARGS) | set(_DIRECT) | set(_MODEL) | set(_SPECIAL) | _LEGACY
 
 
 def is_megatron_key(key: str) -> bool:
@@ -113,7 +170,23 @@ def map_key(key: str, value: Any, out: Imported) -> None:
 
 
 def _map_special(name: str, key: str, value: Any, out: Imported) -> None:
-    if name == "num_layers_per_virtual_pipeline_stage":
+    if name in ("train_samples", "lr_warmup_samples", "lr_decay_samples"):
+        samples = as_int(value, key, out.findings, minimum=0)
+        if samples is not None:
+            out.samples[name] = samples  # steps once the global batch is known (`finish`)
+    elif name == "checkpoint_activations" and as_bool(value, key, out.findings):
+        out.set("train.activation_checkpoint", "full")
+    elif name == "zero_stage" and (stage := as_int(value, key, out.findings)) is not None:
+        out.set("parallel.zero_stage", min(stage, 3))
+    elif name == "pp_partition_method" and "embed" in str(value):
+        # Megatron-DeepSpeed's type-based split counts the embedding (first stage) and the tied
+        # output embedding (last stage) as layers.
+        out.set("parallel.pp_first_stage_less_layers", 1)
+        out.set("parallel.pp_last_stage_less_layers", 1)
+    elif name == "multi_latent_attention" and as_bool(value, key, out.findings):
+        out.set("model.attention", "mla")
+        out.model_given = True
+    elif name == "num_layers_per_virtual_pipeline_stage":
         out.virtual_layers_per_stage = as_int(value, key, out.findings, minimum=1)
         out.set("parallel.pp_schedule", "interleaved-1f1b")
     elif name in ("bf16", "fp16") and as_bool(value, key, out.findings):
@@ -138,6 +211,63 @@ def _map_special(name: str, key: str, value: Any, out: Imported) -> None:
             out.set("lr.min_lr_ratio", min(1.0, floor / peak))
         else:
             out.findings.append(info(key, "min_lr needs lr beside it to become lr.min_lr_ratio"))
+
+
+def finish(out: Imported) -> None:
+    """What Megatron implies once every key is in: steps from sample counts, and the rest of the
+    architecture (Megatron's defaults) when the file describes a model."""
+    _samples_to_steps(out)
+    if out.model_given:
+        _implied_architecture(out)
+
+
+def _samples_to_steps(out: Imported) -> None:
+    batch = out.data.get("train", {}).get("global_batch_size")
+    targets = {
+        "train_samples": "train.steps",
+        "lr_warmup_samples": "lr.warmup_steps",
+        "lr_decay_samples": "lr.decay_steps",
+    }
+    for name, samples in out.samples.items():
+        if batch:
+            out.set(
+                targets[name],
+                max(1, samples // batch) if name == "train_samples" else samples // batch,
+                name,
+            )
+        else:
+            out.findings.append(info(name, "needs global_batch_size beside it to become steps"))
+
+
+def _implied_architecture(out: Imported) -> None:
+    """Megatron's defaults for what the file leaves out: a dense multi-head GPT unless experts or
+    MLA are named, a 4x FFN, and a vocabulary padded to 128 x tp as Megatron pads it."""
+    model = out.data.setdefault("model", {})
+    tp = out.data.get("parallel", {}).get("tp", 1)
+    layers = model.get("num_layers", 24)
+    dim = model.get("dim", 1024)
+    experts = model.get("num_routed_experts", 0)
+    implied = {
+        "attention": "mha",
+        "num_routed_experts": 0,
+        "num_shared_experts": 0,
+        "num_activated_experts": min(2, experts),
+        "first_k_dense": 0 if experts else layers,
+        "n_group": 1,
+        "topk_group": 1,
+        "inter_dim": 4 * dim,
+        "num_mtp_modules": 0,
+        "max_seq_len": out.data.get("train", {}).get("seq_len", 2048),
+        "vocab_size": _padded(50257, 128 * tp),
+    }
+    for name, value in implied.items():
+        model.setdefault(name, value)
+    if normalize(out.origins.get("model.vocab_size", "")) == "vocab_size":
+        model["vocab_size"] = _padded(model["vocab_size"], 128 * tp)  # as Megatron pads it
+
+
+def _padded(size: int, multiple: int) -> int:
+    return -(-size // multiple) * multiple
 
 
 def _to_int(value: Any, key: str, out: Imported) -> int | None:

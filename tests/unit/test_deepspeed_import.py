@@ -14,7 +14,9 @@ def _by_key(findings, severity=None):
 
 
 def test_guide_example_at_2048_gpus(shared, cli):
-    result = cli("check", shared / "examples/ds_config_guide.json", "--world-size", "2048", "--json")
+    result = cli(
+        "check", shared / "examples/ds_config_guide.json", "--world-size", "2048", "--json"
+    )
     assert result.code == 1
     found = {(f["severity"], f["key"]): f for f in result.json()}
     # ZeRO-3 cannot run under pipeline parallelism; the finding names the user's own key.
@@ -29,8 +31,15 @@ def test_guide_example_at_2048_gpus(shared, cli):
 
 
 def test_guide_example_with_a_model_checks_the_split(shared, cli):
-    result = cli("check", shared / "examples/ds_config_guide.json", "--world-size", "2048",
-                 "--set", "model.flavor=deepseek-v3", "--json")
+    result = cli(
+        "check",
+        shared / "examples/ds_config_guide.json",
+        "--world-size",
+        "2048",
+        "--set",
+        "model.flavor=deepseek-v3",
+        "--json",
+    )
     keys = {f["key"] for f in result.json() if f["severity"] == "error"}
     assert "pipeline_model_parallel_size (parallel.pp)" in keys  # 61 layers over 8 stages
 
@@ -168,6 +177,7 @@ def test_megatron_keys_beside_deepspeed(tmp_path):
                 "use_distributed_optimizer": True,
                 "num_layers_per_virtual_pipeline_stage": 2,
                 "global_batch_size": 64,
+                "num_experts": 8,
             }
         )
     )

@@ -1,0 +1,250 @@
+"""Reading a Megatron/DeepSpeed launch script (bash or Slurm) as a config.
+
+Large runs are often described only by their launch script: shell variables, Megatron flags
+(`--tensor-model-parallel-size $TP_SIZE`), a DeepSpeed JSON written by a heredoc, and `#SBATCH`
+lines that fix the node count. This module expands the variables the script assigns itself,
+collects the Megatron flags and the heredoc JSON, and reads the cluster shape, so `check` judges
+the run the script would launch. It does not run the script: `$(...)` stays unresolved.
+"""
+
+import json
+import re
+import shlex
+from dataclasses import dataclass, field
+from typing import Any
+
+from dstrain.config import megatron
+from dstrain.config.deepspeed import from_deepspeed
+from dstrain.config.findings import error, info
+from dstrain.config.imported import Imported
+
+SCRIPT_SUFFIXES = {".sh", ".bash", ".slurm", ".sbatch"}
+
+_ASSIGN = re.compile(r"^\s*(?:export\s+|local\s+|declare\s+(?:-\w+\s+)?)?([A-Za-z_]\w*)=(.*)$")
+_VAR = re.compile(r"\$\{([A-Za-z_]\w*)(?::?-([^}]*))?\}|\$([A-Za-z_]\w*)")
+_HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?")
+_ARITH = re.compile(r"\$\(\(([^()]*)\)\)")
+_GPU_NAMES = {"a100": "A100-80GB", "h100": "H100", "h800": "H800", "h200": "H200", "v100": "V100"}
+
+
+@dataclass
+class ScriptFacts:
+    """What a launch script says: Megatron flags, a DeepSpeed JSON, and the cluster shape."""
+
+    flags: dict[str, Any] = field(default_factory=dict)
+    deepspeed: dict[str, Any] | None = None
+    deepspeed_error: str | None = None
+    nodes: int | None = None
+    gpus_per_node: int | None = None
+    gpu: str | None = None
+    unresolved: set[str] = field(default_factory=set)
+
+
+def looks_like_script(suffix: str, text: str) -> bool:
+    return suffix.lower() in SCRIPT_SUFFIXES or text.startswith("#!")
+
+
+def read_launch_script(text: str) -> ScriptFacts:
+    facts = ScriptFacts()
+    lines, heredocs = _logical_lines(text)
+    variables = _slurm_variables(lines, facts)
+    body: list[str] = []
+    for line in lines:
+        match = _ASSIGN.match(line)
+        if match:
+            value = _expand(_unquote(match.group(2)), variables, facts)
+            variables[match.group(1)] = value
+            body.append(value)
+        elif not line.lstrip().startswith("#"):
+            body.append(_expand(line, variables, facts))
+    for doc in heredocs:
+        _read_heredoc(_expand(doc, variables, facts), facts)
+    _collect_flags(" ".join(body), facts)
+    _cluster_from_launchers(facts)
+    return facts
+
+
+def _logical_lines(text: str) -> tuple[list[str], list[str]]:
+    """Lines with backslash continuations joined, heredoc bodies set apart."""
+    lines: list[str] = []
+    heredocs: list[str] = []
+    pending = ""
+    raw = text.splitlines()
+    i = 0
+    while i < len(raw):
+        line = raw[i]
+        i += 1
+        marker = _HEREDOC.search(line)
+        if marker and not line.lstrip().startswith("#"):
+            end = marker.group(1)
+            doc = []
+            while i < len(raw) and raw[i].strip() != end:
+                doc.append(raw[i])
+                i += 1
+            i += 1
+            heredocs.append("\n".join(doc))
+            continue
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        lines.append(pending + line)
+        pending = ""
+    if pending:
+        lines.append(pending)
+    return lines, heredocs
+
+
+def _slurm_variables(lines: list[str], facts: ScriptFacts) -> dict[str, str]:
+    """#SBATCH --nodes/--gres/--constraint, exposed as the SLURM_* variables scripts read."""
+    for line in lines:
+        if not line.startswith("#SBATCH"):
+            continue
+        text = line.split("#", 2)[1].removeprefix("SBATCH")
+        for option in re.finditer(r"(--[\w-]+|-N)[=\s]+(\S+)", text):
+            name, value = option.groups()
+            if name in ("--nodes", "-N") and value.split("-")[0].isdigit():
+                facts.nodes = int(value.split("-")[0])
+            elif name in ("--gres", "--gpus-per-node") and (m := re.search(r"(\d+)$", value)):
+                facts.gpus_per_node = int(m.group(1))
+            elif name == "--constraint":
+                facts.gpu = _GPU_NAMES.get(value.lower().strip("'\""), facts.gpu)
+    variables = {}
+    if facts.nodes:
+        variables |= {"SLURM_NNODES": str(facts.nodes), "SLURM_JOB_NUM_NODES": str(facts.nodes)}
+    if facts.gpus_per_node:
+        variables["SLURM_GPUS_ON_NODE"] = str(facts.gpus_per_node)
+    return variables
+
+
+def _unquote(value: str) -> str:
+    value = value.strip()
+    try:
+        parts = shlex.split(value, comments=True)
+    except ValueError:
+        return value
+    return " ".join(parts)
+
+
+def _expand(text: str, variables: dict[str, str], facts: ScriptFacts) -> str:
+    for _ in range(10):  # nested references: A="$B", B="$C"
+        expanded = _VAR.sub(lambda m: _lookup(m, variables, facts), text)
+        expanded = _ARITH.sub(lambda m: _arithmetic(m, variables), expanded)
+        if expanded == text:
+            break
+        text = expanded
+    return text
+
+
+def _lookup(match: re.Match[str], variables: dict[str, str], facts: ScriptFacts) -> str:
+    name = match.group(1) or match.group(3)
+    if name in variables:
+        return variables[name]
+    if match.group(2) is not None:
+        return match.group(2)
+    facts.unresolved.add(name)
+    return f"<{name}>"
+
+
+def _arithmetic(match: re.Match[str], variables: dict[str, str]) -> str:
+    """`$((GBS * 1000))`: bash arithmetic, where bare names are variables."""
+    expression = re.sub(
+        r"[A-Za-z_]\w*", lambda m: variables.get(m.group(0), m.group(0)), match.group(1)
+    ).replace(" ", "")
+    if re.fullmatch(r"[\d+\-*/()]+", expression) and "**" not in expression:
+        try:
+            return str(int(eval(expression, {"__builtins__": {}})))  # digits and + - * / only
+        except (SyntaxError, ZeroDivisionError):
+            pass
+    return match.group(0)
+
+
+def _read_heredoc(doc: str, facts: ScriptFacts) -> None:
+    if not doc.lstrip().startswith("{"):
+        return
+    try:
+        data = json.loads(doc)
+    except json.JSONDecodeError as exc:
+        facts.deepspeed_error = f"line {exc.lineno}, column {exc.colno}: {exc.msg}"
+        return
+    if isinstance(data, dict):
+        facts.deepspeed = data
+
+
+def _collect_flags(text: str, facts: ScriptFacts) -> None:
+    try:
+        tokens = shlex.split(text, comments=True)
+    except ValueError:
+        tokens = text.split()
+    for i, token in enumerate(tokens):
+        if not token.startswith("--") or len(token) < 3:
+            continue
+        name, eq, inline = token[2:].partition("=")
+        if eq:
+            value: Any = inline
+        elif i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+            value = tokens[i + 1]
+        else:
+            value = True
+        facts.flags[name.replace("-", "_")] = _literal(value)
+
+
+def _literal(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def _cluster_from_launchers(facts: ScriptFacts) -> None:
+    """torchrun/deepspeed launcher flags, when #SBATCH did not say."""
+    flags = facts.flags
+    for key in ("nproc_per_node", "num_gpus"):
+        if facts.gpus_per_node is None and isinstance(flags.get(key), int):
+            facts.gpus_per_node = flags[key]
+    for key in ("nnodes", "num_nodes"):
+        if facts.nodes is None and isinstance(flags.get(key), int):
+            facts.nodes = flags[key]
+
+
+def import_launch_script(text: str) -> Imported:
+    """The script's DeepSpeed JSON and Megatron flags, mapped like a DeepSpeed file, plus the
+    cluster shape; flags of other programs (srun, torchrun) are listed once, not dropped."""
+    facts = read_launch_script(text)
+    raw = dict(facts.deepspeed or {})
+    others = []
+    for name, value in facts.flags.items():
+        if megatron.is_megatron_key(name):
+            raw.setdefault(name, value)
+        else:
+            others.append(f"--{name}")
+    out = from_deepspeed(raw)
+    if facts.deepspeed_error:
+        out.findings.append(
+            error(
+                "deepspeed_config",
+                f"the DeepSpeed JSON in the script's heredoc is invalid at {facts.deepspeed_error}",
+                "fix the JSON between the heredoc markers",
+            )
+        )
+    for key, value in (
+        ("nodes", facts.nodes),
+        ("gpus_per_node", facts.gpus_per_node),
+        ("gpu", facts.gpu),
+    ):
+        if value is not None:
+            out.set(f"cluster.{key}", value, "#SBATCH")
+    if others:
+        out.findings.append(info("script", f"flags of other programs, ignored: {' '.join(others)}"))
+    if facts.unresolved:
+        out.findings.append(
+            info(
+                "script",
+                f"variables the script does not assign (left unresolved): "
+                f"{', '.join(sorted(facts.unresolved))}",
+            )
+        )
+    return out
