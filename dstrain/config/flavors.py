@@ -5,6 +5,7 @@ Numbers are those of the published Hugging Face config.json of each model. They 
 networks from the ModelArgs resolved here.
 """
 
+from dstrain.config.hf_config import read_hf_config
 from dstrain.config.model_args import ModelArgs
 from dstrain.config.schema import ModelConfig
 from dstrain.config.suggest import did_you_mean
@@ -43,6 +44,7 @@ FLAVORS: dict[str, ModelArgs] = {
         rope_factor=40.0,
         original_seq_len=4096,
         mscale=0.707,
+        mscale_all_dim=0.707,
     ),
     "deepseek-moe-16b": ModelArgs(
         vocab_size=_DEEPSEEK_VOCAB,
@@ -95,6 +97,7 @@ FLAVORS: dict[str, ModelArgs] = {
         max_seq_len=163840,
         rope_factor=40.0,
         original_seq_len=4096,
+        mscale_all_dim=1.0,
     ),
     "deepseek-llm-7b": ModelArgs(
         vocab_size=_DEEPSEEK_VOCAB,
@@ -130,13 +133,7 @@ def flavor_args(name: str) -> ModelArgs:
 
 def resolve_model_args(model: ModelConfig) -> ModelArgs:
     """The flavor's architecture with the section's non-None fields applied on top."""
-    if model.hf_config is not None:
-        raise UserError(
-            "model.hf_config is not supported yet (the HF import arrives with the model issue)",
-            "use model.flavor plus overrides for now",
-            exit_code=1,
-        )
-    base = flavor_args(model.flavor)
+    base = read_hf_config(model.hf_config) if model.hf_config else flavor_args(model.flavor)
     overrides = {
         name: value
         for name in ModelArgs.model_fields

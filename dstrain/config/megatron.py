@@ -122,6 +122,7 @@ _SPECIAL = (
     "lr_decay_samples",
     "pp_partition_method",
     "multi_latent_attention",
+    "swiglu",
     "num_layers_per_virtual_pipeline_stage",
     "bf16",
     "fp16",
@@ -183,6 +184,8 @@ def _map_special(name: str, key: str, value: Any, out: Imported) -> None:
         # output embedding (last stage) as layers.
         out.set("parallel.pp_first_stage_less_layers", 1)
         out.set("parallel.pp_last_stage_less_layers", 1)
+    elif name == "swiglu" and as_bool(value, key, out.findings):
+        out.set("model.mlp", "swiglu")
     elif name == "multi_latent_attention" and as_bool(value, key, out.findings):
         out.set("model.attention", "mla")
         out.model_given = True
@@ -249,6 +252,7 @@ def _implied_architecture(out: Imported) -> None:
     experts = model.get("num_routed_experts", 0)
     implied = {
         "attention": "mha",
+        "mlp": "gelu",  # Megatron's default without --swiglu
         "num_routed_experts": 0,
         "num_shared_experts": 0,
         "num_activated_experts": min(2, experts),

@@ -47,6 +47,11 @@ class ModelArgs(BaseModel):
         16, gt=0, description="MLA decoupled RoPE width per head (shared key across heads)."
     )
     v_head_dim: int = Field(32, gt=0, description="MLA per-head value width.")
+    mlp: Literal["swiglu", "gelu"] = Field(
+        "swiglu",
+        description="FFN kind: `swiglu` (gate, up, down: DeepSeek, Llama) or `gelu` (up, down: "
+        "GPT-2, BLOOM).",
+    )
     inter_dim: int = Field(
         384, gt=0, description="Width of the dense SwiGLU FFN (HF intermediate_size)."
     )
@@ -105,6 +110,11 @@ class ModelArgs(BaseModel):
     beta_fast: float = Field(32.0, description="YaRN: fast rotation boundary.")
     beta_slow: float = Field(1.0, description="YaRN: slow rotation boundary.")
     mscale: float = Field(1.0, description="YaRN: attention-temperature scale.")
+    mscale_all_dim: float = Field(
+        0.0,
+        ge=0,
+        description="YaRN: softmax-scale correction (DeepSeek's mscale_all_dim). 0 = none.",
+    )
     norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon.")
 
     @model_validator(mode="after")

@@ -1,0 +1,176 @@
+"""A Hugging Face `config.json` read into ModelArgs, by its standard keys.
+
+Supported `model_type`s: deepseek_v3, deepseek_v2, llama, mistral, qwen2, mixtral, gpt2. MLA and
+DeepSeekMoE keys map one to one; Llama-style models become multi-head (GQA) attention with a
+SwiGLU FFN, GPT-2 a GELU FFN.
+"""
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from dstrain.config.model_args import ModelArgs
+from dstrain.config.suggest import did_you_mean
+from dstrain.errors import UserError
+
+
+def read_hf_config(path: Path) -> ModelArgs:
+    """ModelArgs from `path` (a config.json, or a folder holding one)."""
+    file = path / "config.json" if path.is_dir() else path
+    if not file.exists():
+        raise UserError(f"HF config not found: {file}", "point model.hf_config at a config.json")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{file} is not valid JSON: {exc}", "check the file") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{file}: expected a JSON object", "check the file")
+    kind = str(data.get("model_type", ""))
+    reader = _READERS.get(kind)
+    if reader is None:
+        raise UserError(
+            f"{file}: model_type `{kind}` is not supported{did_you_mean(kind, _READERS)}",
+            f"supported: {', '.join(_READERS)}",
+        )
+    try:
+        return ModelArgs.model_validate(reader(_Keys(data, file)))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise UserError(
+            f"{file}: {'.'.join(map(str, first['loc']))}: {first['msg']}", "check the config.json"
+        ) from None
+
+
+class _Keys:
+    """Required and optional lookups that name the file and key when one is missing."""
+
+    def __init__(self, data: dict[str, Any], file: Path) -> None:
+        self.data, self.file = data, file
+
+    def need(self, key: str) -> Any:
+        if self.data.get(key) is None:
+            raise UserError(f"{self.file}: `{key}` is missing", "add it, as transformers writes it")
+        return self.data[key]
+
+    def get(self, key: str, default: Any) -> Any:
+        value = self.data.get(key)
+        return default if value is None else value
+
+
+def _deepseek(k: _Keys) -> dict[str, Any]:
+    rope = k.get("rope_scaling", {}) or {}
+    layers = k.need("num_hidden_layers")
+    experts = k.get("n_routed_experts", 0)
+    return {
+        "vocab_size": k.need("vocab_size"),
+        "dim": k.need("hidden_size"),
+        "num_layers": layers,
+        "num_heads": k.need("num_attention_heads"),
+        "q_lora_rank": k.get("q_lora_rank", 0),
+        "kv_lora_rank": k.need("kv_lora_rank"),
+        "qk_nope_head_dim": k.need("qk_nope_head_dim"),
+        "qk_rope_head_dim": k.need("qk_rope_head_dim"),
+        "v_head_dim": k.need("v_head_dim"),
+        "inter_dim": k.need("intermediate_size"),
+        "first_k_dense": k.get("first_k_dense_replace", 0) if experts else layers,
+        "num_routed_experts": experts,
+        "num_shared_experts": k.get("n_shared_experts", 0),
+        "num_activated_experts": k.get("num_experts_per_tok", 0),
+        "moe_inter_dim": k.get("moe_intermediate_size", 1),
+        "n_group": k.get("n_group", 1),
+        "topk_group": k.get("topk_group", 1),
+        "score_func": k.get("scoring_func", "softmax"),
+        "route_scale": k.get("routed_scaling_factor", 1.0),
+        "norm_topk_prob": k.get("norm_topk_prob", False),
+        "aux_loss_alpha": k.get("aux_loss_alpha", 0.0),
+        "bias_update_speed": 0.001 if k.get("topk_method", "") == "noaux_tc" else 0.0,
+        "num_mtp_modules": k.get("num_nextn_predict_layers", 0),
+        "max_seq_len": k.get("max_position_embeddings", 4096),
+        "rope_theta": k.get("rope_theta", 10000.0),
+        "rope_factor": rope.get("factor", 1.0),
+        "original_seq_len": rope.get("original_max_position_embeddings", 4096),
+        "beta_fast": rope.get("beta_fast", 32.0),
+        "beta_slow": rope.get("beta_slow", 1.0),
+        "mscale": rope.get("mscale", 1.0),
+        "mscale_all_dim": rope.get("mscale_all_dim", 0.0),
+        "norm_eps": k.get("rms_norm_eps", 1e-6),
+    }
+
+
+def _llama(k: _Keys) -> dict[str, Any]:
+    layers = k.need("num_hidden_layers")
+    heads = k.need("num_attention_heads")
+    return {
+        "vocab_size": k.need("vocab_size"),
+        "dim": k.need("hidden_size"),
+        "num_layers": layers,
+        "num_heads": heads,
+        "attention": "mha",
+        "num_kv_heads": k.get("num_key_value_heads", heads),
+        "head_dim": k.get("head_dim", k.need("hidden_size") // heads),
+        "inter_dim": k.need("intermediate_size"),
+        "first_k_dense": layers,
+        "num_routed_experts": 0,
+        "num_shared_experts": 0,
+        "num_activated_experts": 0,
+        "n_group": 1,
+        "topk_group": 1,
+        "num_mtp_modules": 0,
+        "max_seq_len": k.get("max_position_embeddings", 4096),
+        "original_seq_len": k.get("max_position_embeddings", 4096),
+        "rope_theta": k.get("rope_theta", 10000.0),
+        "norm_eps": k.get("rms_norm_eps", 1e-5),
+    }
+
+
+def _mixtral(k: _Keys) -> dict[str, Any]:
+    args = _llama(k)
+    args |= {
+        "first_k_dense": 0,
+        "num_routed_experts": k.need("num_local_experts"),
+        "num_activated_experts": k.need("num_experts_per_tok"),
+        "moe_inter_dim": k.need("intermediate_size"),
+        "score_func": "softmax",
+        "norm_topk_prob": True,
+        "bias_update_speed": 0.0,
+        "aux_loss_alpha": k.get("router_aux_loss_coef", 0.0),
+    }
+    return args
+
+
+def _gpt2(k: _Keys) -> dict[str, Any]:
+    dim, layers, heads = k.need("n_embd"), k.need("n_layer"), k.need("n_head")
+    return {
+        "vocab_size": k.need("vocab_size"),
+        "dim": dim,
+        "num_layers": layers,
+        "num_heads": heads,
+        "attention": "mha",
+        "head_dim": dim // heads,
+        "mlp": "gelu",
+        "inter_dim": k.get("n_inner", 4 * dim),
+        "first_k_dense": layers,
+        "num_routed_experts": 0,
+        "num_shared_experts": 0,
+        "num_activated_experts": 0,
+        "n_group": 1,
+        "topk_group": 1,
+        "num_mtp_modules": 0,
+        "max_seq_len": k.get("n_positions", 1024),
+        "original_seq_len": k.get("n_positions", 1024),
+        "norm_eps": k.get("layer_norm_epsilon", 1e-5),
+    }
+
+
+_READERS: dict[str, Callable[[_Keys], dict[str, Any]]] = {
+    "deepseek_v3": _deepseek,
+    "deepseek_v2": _deepseek,
+    "llama": _llama,
+    "mistral": _llama,
+    "qwen2": _llama,
+    "mixtral": _mixtral,
+    "gpt2": _gpt2,
+}
