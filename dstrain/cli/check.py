@@ -3,6 +3,7 @@
 import argparse
 
 from dstrain.cli.common import add_config_args, add_json_flag, console, positive_int, print_json
+from dstrain.config.ds_lint import IMPORT_RULES
 from dstrain.config.findings import Finding, has_errors
 from dstrain.config.load import load_config
 from dstrain.config.preflight import preflight
@@ -102,6 +103,7 @@ def print_findings(title: str, findings: list[Finding]) -> None:
 
 def _list_rules(as_json: bool) -> int:
     rules = [(r.__name__.removeprefix("rule_"), (r.__doc__ or "").strip()) for r in RULES]
+    rules += list(IMPORT_RULES)
     if as_json:
         print_json([{"rule": name, "description": doc} for name, doc in rules])
     else:

@@ -19,6 +19,37 @@ from dstrain.config.suggest import closest
 
 REJECTED_OPTIMIZER_PARAMS = DS_REJECTED_OPTIMIZER_PARAMS
 
+# What importing a DeepSpeed/Megatron file checks, for `dstrain check --rules`.
+IMPORT_RULES = (
+    (
+        "ds_unknown_keys",
+        "Every key is one DeepSpeed or Megatron-LM accepts; a typo names the "
+        "closest valid key, a misplaced key names its section.",
+    ),
+    (
+        "ds_deprecated_keys",
+        "Deprecated spellings (cpu_offload, ...) are mapped, with the new name.",
+    ),
+    (
+        "ds_optimizer_params",
+        "Optimizer and scheduler params are those of their type; "
+        "max_grad_norm is refused as DeepSpeed refuses it.",
+    ),
+    ("ds_one_bit_with_zero", "1-bit Adam/LAMB and 0/1 Adam run only without ZeRO."),
+    ("ds_zero_with_pipeline", "DeepSpeed's PipelineEngine takes ZeRO stage 0 or 1 only."),
+    (
+        "ds_half_precision",
+        "fp16 and bf16 are not both on; bf16 has no loss-scaling keys; fp16 "
+        "hard-coded in an `auto` (HF Trainer) file is flagged.",
+    ),
+    (
+        "ds_batch_keys",
+        "A batch size is given; `auto` train_batch_size comes with an `auto` "
+        "gradient_accumulation_steps.",
+    ),
+    ("ds_offload_stage", "offload_param needs stage 3."),
+)
+
 # torch.optim classes DeepSpeed falls back to when `type` is not one of its own optimizers.
 _TORCH_OPTIMIZERS = {
     "sgd",
