@@ -52,7 +52,16 @@ def run(args: argparse.Namespace) -> int:
         return _list_rules(args.json)
     if args.config is None and not args.overrides:
         raise UserError("no config given", "dstrain check CONFIG [--world-size N]")
-    loaded = load_config(args.config, args.overrides)
+    try:
+        loaded = load_config(args.config, args.overrides)
+    except UserError as exc:
+        if not args.json:
+            raise
+        # Scripts asked for JSON: the unreadable input is one finding, with the same exit code.
+        print_json(
+            [{"severity": "error", "key": str(args.config), "message": exc.message, "fix": exc.fix}]
+        )
+        return exc.exit_code
     world = world_size(args, loaded.config)
     findings = preflight(loaded, world)
     if args.json:

@@ -100,6 +100,19 @@ def _deepseek(k: _Keys) -> dict[str, Any]:
     }
 
 
+def _dense(layers: int) -> dict[str, Any]:
+    """A model without routed experts or MTP: every layer a dense FFN."""
+    return {
+        "first_k_dense": layers,
+        "num_routed_experts": 0,
+        "num_shared_experts": 0,
+        "num_activated_experts": 0,
+        "n_group": 1,
+        "topk_group": 1,
+        "num_mtp_modules": 0,
+    }
+
+
 def _llama(k: _Keys) -> dict[str, Any]:
     layers = k.need("num_hidden_layers")
     heads = k.need("num_attention_heads")
@@ -112,13 +125,7 @@ def _llama(k: _Keys) -> dict[str, Any]:
         "num_kv_heads": k.get("num_key_value_heads", heads),
         "head_dim": k.get("head_dim", k.need("hidden_size") // heads),
         "inter_dim": k.need("intermediate_size"),
-        "first_k_dense": layers,
-        "num_routed_experts": 0,
-        "num_shared_experts": 0,
-        "num_activated_experts": 0,
-        "n_group": 1,
-        "topk_group": 1,
-        "num_mtp_modules": 0,
+        **_dense(layers),
         "max_seq_len": k.get("max_position_embeddings", 4096),
         "original_seq_len": k.get("max_position_embeddings", 4096),
         "rope_theta": k.get("rope_theta", 10000.0),
@@ -152,13 +159,7 @@ def _gpt2(k: _Keys) -> dict[str, Any]:
         "head_dim": dim // heads,
         "mlp": "gelu",
         "inter_dim": k.get("n_inner", 4 * dim),
-        "first_k_dense": layers,
-        "num_routed_experts": 0,
-        "num_shared_experts": 0,
-        "num_activated_experts": 0,
-        "n_group": 1,
-        "topk_group": 1,
-        "num_mtp_modules": 0,
+        **_dense(layers),
         "max_seq_len": k.get("n_positions", 1024),
         "original_seq_len": k.get("n_positions", 1024),
         "norm_eps": k.get("layer_norm_epsilon", 1e-5),

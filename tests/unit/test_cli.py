@@ -71,6 +71,9 @@ def test_check_exit_codes(cli, tmp_path):
     result = cli("check", broken)
     assert result.code == 2 and "line 1" in result.err
     assert cli("check", tmp_path / "missing.toml").code == 2
+    as_json = cli("check", broken, "--json")
+    assert as_json.code == 2
+    assert as_json.json()[0]["severity"] == "error" and "line 1" in as_json.json()[0]["message"]
 
 
 def test_check_nodes_times_gpus(cli, tmp_path):
