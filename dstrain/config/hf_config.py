@@ -60,10 +60,20 @@ class _Keys:
         return default if value is None else value
 
 
+def _rope(k: _Keys) -> tuple[dict[str, Any], float]:
+    """YaRN settings and theta, from `rope_scaling` (DeepSeek's files) or `rope_parameters`
+    (transformers >= 5); a `default` rope type means no scaling."""
+    rope = k.get("rope_scaling", None) or k.get("rope_parameters", None) or {}
+    theta = rope.get("rope_theta", k.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    return (rope if kind == "yarn" else {}), theta
+
+
 def _deepseek(k: _Keys) -> dict[str, Any]:
-    rope = k.get("rope_scaling", {}) or {}
+    rope, theta = _rope(k)
     layers = k.need("num_hidden_layers")
     experts = k.get("n_routed_experts", 0)
+    v3 = k.data.get("model_type") == "deepseek_v3"
     return {
         "vocab_size": k.need("vocab_size"),
         "dim": k.need("hidden_size"),
@@ -82,14 +92,14 @@ def _deepseek(k: _Keys) -> dict[str, Any]:
         "moe_inter_dim": k.get("moe_intermediate_size", 1),
         "n_group": k.get("n_group", 1),
         "topk_group": k.get("topk_group", 1),
-        "score_func": k.get("scoring_func", "softmax"),
+        "score_func": k.get("scoring_func", "sigmoid" if v3 else "softmax"),
         "route_scale": k.get("routed_scaling_factor", 1.0),
         "norm_topk_prob": k.get("norm_topk_prob", False),
         "aux_loss_alpha": k.get("aux_loss_alpha", 0.0),
-        "bias_update_speed": 0.001 if k.get("topk_method", "") == "noaux_tc" else 0.0,
+        "bias_update_speed": 0.001 if v3 or k.get("topk_method", "") == "noaux_tc" else 0.0,
         "num_mtp_modules": k.get("num_nextn_predict_layers", 0),
         "max_seq_len": k.get("max_position_embeddings", 4096),
-        "rope_theta": k.get("rope_theta", 10000.0),
+        "rope_theta": theta,
         "rope_factor": rope.get("factor", 1.0),
         "original_seq_len": rope.get("original_max_position_embeddings", 4096),
         "beta_fast": rope.get("beta_fast", 32.0),
@@ -128,7 +138,7 @@ def _llama(k: _Keys) -> dict[str, Any]:
         **_dense(layers),
         "max_seq_len": k.get("max_position_embeddings", 4096),
         "original_seq_len": k.get("max_position_embeddings", 4096),
-        "rope_theta": k.get("rope_theta", 10000.0),
+        "rope_theta": _rope(k)[1],
         "norm_eps": k.get("rms_norm_eps", 1e-5),
     }
 

@@ -1,0 +1,99 @@
+"""Attention: Multi-head Latent Attention (DeepSeek-V2/V3) and classic multi-head / grouped-query
+attention (DeepSeek-LLM, DeepSeekMoE-16B).
+
+Shapes: B batch, S sequence, D model dim, H heads (local heads under TP), R q_lora_rank,
+C kv_lora_rank, N qk_nope_head_dim, P qk_rope_head_dim, V v_head_dim.
+
+MLA (DeepSeek-V2 section 2.1): queries go through a low-rank bottleneck (wq_a -> q_norm -> wq_b),
+or one projection wq when q_lora_rank = 0; keys and values come from one shared latent c_KV
+(wkv_a -> kv_norm -> wkv_b), plus a decoupled RoPE key shared by all heads. Heads are reshaped
+with `view(B, S, -1, head_dim)`, so a TP-sharded wq_b/wkv_b (fewer local heads) just works.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dstrain.config.model_args import ModelArgs
+from dstrain.model.norm import RMSNorm
+from dstrain.model.rope import apply_rope, softmax_scale
+
+
+class MLA(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.q_lora_rank = args.q_lora_rank
+        self.kv_lora_rank = args.kv_lora_rank
+        self.nope_dim, self.rope_dim = args.qk_nope_head_dim, args.qk_rope_head_dim
+        self.v_dim = args.v_head_dim
+        qk_dim = self.nope_dim + self.rope_dim
+        heads = args.num_heads
+        if self.q_lora_rank:
+            self.wq_a = nn.Linear(args.dim, self.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(self.q_lora_rank, args.norm_eps)
+            self.wq_b = nn.Linear(self.q_lora_rank, heads * qk_dim, bias=False)
+        else:
+            self.wq = nn.Linear(args.dim, heads * qk_dim, bias=False)
+        self.wkv_a = nn.Linear(args.dim, self.kv_lora_rank + self.rope_dim, bias=False)
+        self.kv_norm = RMSNorm(self.kv_lora_rank, args.norm_eps)
+        self.wkv_b = nn.Linear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), bias=False)
+        self.wo = nn.Linear(heads * self.v_dim, args.dim, bias=False)
+        self.scale = softmax_scale(args, qk_dim)
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        q = self.wq_b(self.q_norm(self.wq_a(x_BSD))) if self.q_lora_rank else self.wq(x_BSD)
+        q_BSHK = q.view(B, S, -1, self.nope_dim + self.rope_dim)
+        q_nope, q_rope = q_BSHK.split([self.nope_dim, self.rope_dim], dim=-1)
+        kv_BSC, k_rope_BSP = self.wkv_a(x_BSD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.wkv_b(self.kv_norm(kv_BSC)).view(B, S, -1, self.nope_dim + self.v_dim)
+        k_nope, v_BSHV = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        q_rope = apply_rope(q_rope, cos, sin)
+        k_rope = apply_rope(k_rope_BSP.unsqueeze(2), cos, sin).expand(-1, -1, k_nope.size(2), -1)
+        q_BSHK = torch.cat([q_nope, q_rope], dim=-1)
+        k_BSHK = torch.cat([k_nope, k_rope], dim=-1)
+        out = _causal_attention(q_BSHK, k_BSHK, v_BSHV, self.scale)
+        return self.wo(out.flatten(2))
+
+
+class MHA(nn.Module):
+    """Multi-head attention with optional grouped-query key/value heads and RoPE on full heads
+    (interleaved pairs, as DeepSeek-LLM/MoE checkpoints are converted for here)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.head_dim = args.head_dim or args.dim // args.num_heads
+        kv_heads = args.num_kv_heads or args.num_heads
+        self.wq = nn.Linear(args.dim, args.num_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.num_heads * self.head_dim, args.dim, bias=False)
+        self.scale = softmax_scale(args, self.head_dim)
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        q = apply_rope(self.wq(x_BSD).view(B, S, -1, self.head_dim), cos, sin)
+        k = apply_rope(self.wk(x_BSD).view(B, S, -1, self.head_dim), cos, sin)
+        v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
+        groups = q.size(2) // k.size(2)
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+        return self.wo(_causal_attention(q, k, v, self.scale).flatten(2))
+
+
+def _causal_attention(
+    q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """SDPA over [B, H, S, *] (value width may differ from the query/key width, as in MLA)."""
+    out = F.scaled_dot_product_attention(
+        q_BSHK.transpose(1, 2),
+        k_BSHK.transpose(1, 2),
+        v_BSHV.transpose(1, 2),
+        is_causal=True,
+        scale=scale,
+    )
+    return out.transpose(1, 2)
+
+
+def build_attention(args: ModelArgs) -> nn.Module:
+    return MLA(args) if args.attention == "mla" else MHA(args)

@@ -1,0 +1,167 @@
+"""DeepSeekMoE: shared experts plus fine-grained routed experts with top-k routing.
+
+Legend: B batch, S sequence, T tokens (B*S), D dim, E routed experts, K activated experts per
+token, F expert width (moe_inter_dim), G expert groups.
+
+Routing (DeepSeek-V3 section 2.1.2; V2 section 2.2): affinities s = sigmoid (V3) or softmax (V2)
+of the router logits. The choice uses s + b, where b is the auxiliary-loss-free balancing bias;
+the gate weights use s alone, renormalized over the top-k when norm_topk_prob, times route_scale.
+Group-limited routing keeps the topk_group best of n_group groups first; a group's score is the
+sum of its two best biased affinities under sigmoid (V3) and its best affinity under softmax (V2).
+
+Compute: token copies are sorted by expert and run through grouped matmuls (one kernel for all
+experts) instead of a Python loop per expert. The sorted layout and the per-expert counts are
+what expert parallelism exchanges with all_to_all.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dstrain.config.model_args import ModelArgs
+from dstrain.model.ffn import FeedForward
+
+_GROUPED_MM = getattr(F, "grouped_mm", None)  # torch >= 2.9; the loop below serves older torch
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Router(nn.Module):
+    """Scores, group limits, top-k, and the load statistics the balancing bias learns from."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = args.num_routed_experts, args.num_activated_experts
+        self.n_group, self.topk_group = args.n_group, args.topk_group
+        self.score_func, self.route_scale = args.score_func, args.route_scale
+        self.norm_topk_prob = args.norm_topk_prob
+        self.gate = nn.Linear(args.dim, self.num_experts, bias=False)
+        # Checkpointed: the bias is training state. Counts are per step and not saved.
+        self.register_buffer("expert_bias", torch.zeros(self.num_experts))
+        self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts), persistent=False)
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate weights [T, K] fp32, expert ids [T, K], affinities [T, E] fp32)."""
+        logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+        scores_TE = logits_TE.sigmoid() if self.score_func == "sigmoid" else logits_TE.softmax(-1)
+        choice_TE = scores_TE + self.expert_bias
+        if self.n_group > 1:
+            choice_TE = self._limit_groups(choice_TE)
+        experts_TK = choice_TE.topk(self.top_k, dim=-1).indices
+        weights_TK = scores_TE.gather(1, experts_TK)
+        if self.norm_topk_prob:
+            weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
+        self._count(experts_TK)
+        return weights_TK * self.route_scale, experts_TK, scores_TE
+
+    def _limit_groups(self, choice_TE: torch.Tensor) -> torch.Tensor:
+        grouped_TGe = choice_TE.view(choice_TE.size(0), self.n_group, -1)
+        if self.score_func == "sigmoid" and grouped_TGe.size(-1) > 1:
+            group_scores_TG = grouped_TGe.topk(2, dim=-1).values.sum(-1)
+        else:
+            group_scores_TG = grouped_TGe.amax(-1)
+        keep_TG = group_scores_TG.topk(self.topk_group, dim=-1).indices
+        mask_TG = torch.ones_like(group_scores_TG, dtype=torch.bool).scatter_(1, keep_TG, False)
+        return grouped_TGe.masked_fill(mask_TG.unsqueeze(-1), float("-inf")).flatten(1)
+
+    @torch.no_grad()
+    def _count(self, experts_TK: torch.Tensor) -> None:
+        # Activation checkpointing re-runs this forward inside backward; count the first pass only.
+        if torch._C._current_graph_task_id() == -1:
+            self.tokens_per_expert += torch.bincount(
+                experts_TK.flatten(), minlength=self.num_experts
+            ).to(self.tokens_per_expert.dtype)
+
+    @torch.no_grad()
+    def update_bias(self, tokens_per_expert: torch.Tensor, speed: float) -> None:
+        """Auxiliary-loss-free balancing (V3 eq. 16 ff.): raise the bias of under-loaded experts
+        by `speed`, lower it for over-loaded ones. `tokens_per_expert` covers the global batch."""
+        load = tokens_per_expert.to(self.expert_bias.dtype)
+        self.expert_bias += speed * torch.sign(load.mean() - load)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as 3-D weights: w1, w3 [E, F, D] (gate, up) and w2 [E, D, F] (down)."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+
+    def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """x sorted by expert, counts_E[e] rows for expert e (zero allowed)."""
+        gate_TF = _grouped_matmul(x_TD, self.w1, counts_E)
+        up_TF = _grouped_matmul(x_TD, self.w3, counts_E)
+        return _grouped_matmul(F.silu(gate_TF) * up_TF, self.w2, counts_E)
+
+
+def _grouped_matmul(
+    x_TI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor
+) -> torch.Tensor:
+    """Rows of x for expert e times w[e]^T, for every e at once."""
+    if _GROUPED_MM is not None and x_TI.dtype in _GROUPED_DTYPES:
+        offsets = torch.cumsum(counts_E, 0, dtype=torch.int32)
+        return _GROUPED_MM(x_TI, w_EOI.transpose(-2, -1), offs=offsets)
+    # Fallback for dtypes grouped_mm lacks (fp64 in tests) and old torch. Host sync: tolist().
+    chunks = x_TI.split(counts_E.tolist())
+    return torch.cat([chunk @ w.T for chunk, w in zip(chunks, w_EOI, strict=True)])
+
+
+class AddAuxiliaryLoss(torch.autograd.Function):
+    """Identity on x that also back-propagates into `aux_loss` (DeepSeek-V2's trick), so the
+    balance loss needs no extra output from the model."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = aux_loss.dtype
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.ones((), dtype=ctx.dtype, device=grad.device)
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = args.num_routed_experts, args.num_activated_experts
+        self.aux_loss_alpha = args.aux_loss_alpha
+        self.router = Router(args)
+        self.experts = GroupedExperts(args.num_routed_experts, args.dim, args.moe_inter_dim)
+        shared = args.num_shared_experts * args.moe_inter_dim
+        self.shared_experts = FeedForward(args.dim, shared) if shared else None
+        # Scales the balance loss's gradient; the trainer sets 1 / micro-batches per step.
+        self.aux_loss_scale = 1.0
+        self.last_aux_loss = torch.zeros(())
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        x_TD = x_BSD.reshape(-1, D)
+        weights_TK, experts_TK, scores_TE = self.router(x_TD)
+        order = experts_TK.flatten().argsort(stable=True)
+        token_of = order // self.top_k
+        counts_E = torch.bincount(experts_TK.flatten(), minlength=self.num_experts)
+        routed_TD = self.experts(x_TD[token_of], counts_E)
+        routed_TD = (routed_TD.float() * weights_TK.flatten()[order, None]).to(x_TD.dtype)
+        out_TD = torch.zeros_like(x_TD).index_add_(0, token_of, routed_TD)
+        if self.shared_experts is not None:
+            out_TD = out_TD + self.shared_experts(x_TD)
+        out = out_TD.view(B, S, D)
+        if self.aux_loss_alpha > 0 and self.training and torch.is_grad_enabled():
+            aux = self._balance_loss(scores_TE.view(B, S, -1), experts_TK.view(B, S, -1))
+            self.last_aux_loss = aux.detach()
+            out = AddAuxiliaryLoss.apply(out, aux * self.aux_loss_scale)
+        return out
+
+    def _balance_loss(self, scores_BSE: torch.Tensor, experts_BSK: torch.Tensor) -> torch.Tensor:
+        """Sequence-wise balance loss (V3 eq. 17-20): alpha * sum_e f_e * P_e per sequence,
+        averaged over the batch; f_e = E/(K S) * tokens routed to e, P_e = mean normalized
+        affinity."""
+        B, S, E = scores_BSE.shape
+        normalized = scores_BSE / scores_BSE.sum(-1, keepdim=True)
+        hits_BE = torch.zeros(B, E, device=scores_BSE.device).scatter_add_(
+            1, experts_BSK.flatten(1), torch.ones(B, S * self.top_k, device=scores_BSE.device)
+        )
+        f_BE = hits_BE * E / (self.top_k * S)
+        p_BE = normalized.mean(1)
+        return self.aux_loss_alpha * (f_BE * p_BE).sum(-1).mean()

@@ -1,0 +1,140 @@
+"""The DeepSeek-style decoder: embedding, blocks, final norm, head, and multi-token prediction.
+
+Pipeline- and TP-friendly by construction (STYLE items 2-3): blocks live in an `nn.ModuleDict`
+keyed by layer id, so their names survive stage splitting and checkpoints; the embedding, norm,
+head and MTP modules may be None on stages that do not hold them.
+
+Multi-token prediction (DeepSeek-V3 section 2.2): module k (1..D) combines the previous depth's
+hidden state at position i with the embedding of token i+k, runs one transformer block, and
+predicts token i+k+1 through the shared head. Its sequence is k positions shorter.
+"""
+
+import math
+
+import torch
+from torch import nn
+
+from dstrain.config.model_args import ModelArgs
+from dstrain.model.attention import build_attention
+from dstrain.model.ffn import FeedForward
+from dstrain.model.moe import MoE
+from dstrain.model.norm import RMSNorm
+from dstrain.model.rope import RotaryEmbedding
+
+INIT_STD = 0.02
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = build_attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        is_moe = args.num_routed_experts > 0 and layer_id >= args.first_k_dense
+        self.ffn = MoE(args) if is_moe else FeedForward(args.dim, args.inter_dim, args.mlp)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class MTPModule(nn.Module):
+    """One prediction depth: norms, the projection M_k [2D -> D], one block, an output norm."""
+
+    def __init__(self, depth: int, args: ModelArgs) -> None:
+        super().__init__()
+        self.depth = depth
+        self.enorm = RMSNorm(args.dim, args.norm_eps)
+        self.hnorm = RMSNorm(args.dim, args.norm_eps)
+        self.proj = nn.Linear(2 * args.dim, args.dim, bias=False)
+        self.block = TransformerBlock(args.num_layers + depth - 1, args)
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(
+        self, h_prev: torch.Tensor, emb_next: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """h_prev [B, S', D] at positions i, emb_next [B, S', D] of tokens i+k -> [B, S', D]."""
+        h = self.proj(torch.cat([self.enorm(emb_next), self.hnorm(h_prev)], dim=-1))
+        return self.block(h, cos, sin)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        rope_dim = args.qk_rope_head_dim if args.attention == "mla" else _mha_head_dim(args)
+        self.rope = RotaryEmbedding(args, rope_dim)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(i, args) for i in range(args.num_layers)}
+        )
+        self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
+        self.head: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.mtp: nn.ModuleDict | None = (
+            nn.ModuleDict({str(k): MTPModule(k, args) for k in range(1, args.num_mtp_modules + 1)})
+            if args.num_mtp_modules
+            else None
+        )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """tokens [B, S] -> logits [B, S, V]; with MTP, (logits, mtp_1 [B, S-1, V], ...).
+
+        A stage without the embedding takes hidden states [B, S, D] instead of token ids.
+        """
+        h = self.embed(tokens) if self.embed is not None else tokens
+        cos, sin = self.rope(h.size(1))
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.head is None:
+            return h
+        logits = self.head(self.norm(h) if self.norm is not None else h)
+        if self.mtp is None:
+            return logits
+        return (logits, *self._mtp_logits(h, tokens))
+
+    def _mtp_logits(self, h: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
+        emb = self.embed(tokens)
+        outputs = []
+        for module in self.mtp.values():
+            k = module.depth
+            cos, sin = self.rope(h.size(1) - 1)
+            h = module(h[:, :-1], emb[:, k:], cos, sin)
+            outputs.append(self.head(module.norm(h)))
+        return outputs
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Fresh weights after `to_empty`: normal(0, 0.02) projections, output projections scaled
+        by 1/sqrt(2 x layers) (GPT-2/Megatron), ones for norms, zero balancing biases."""
+        out_std = INIT_STD / math.sqrt(2 * self.args.num_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                last = name.rsplit(".", 1)[-1]
+                std = out_std if last in ("wo", "w2") else INIT_STD
+                nn.init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=1.0)
+            elif isinstance(module, RMSNorm) or isinstance(module, RotaryEmbedding):
+                module.reset_parameters()
+        for name, param in self.named_parameters():
+            if param.dim() == 3:  # grouped experts
+                std = out_std if name.endswith("w2") else INIT_STD
+                nn.init.trunc_normal_(param, std=std, a=-3 * std, b=3 * std)
+        for name, buffer in self.named_buffers():
+            if name.endswith(("expert_bias", "tokens_per_expert")):
+                buffer.zero_()
+
+
+def _mha_head_dim(args: ModelArgs) -> int:
+    return args.head_dim or args.dim // args.num_heads
+
+
+def build_model(args: ModelArgs, device: torch.device | str = "cpu") -> Transformer:
+    """Build on `meta` (no memory), move to `device` with `to_empty`, then initialize once, so a
+    parallelized model never holds the full weights on any rank."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device=device)
+    model.init_weights()
+    return model
