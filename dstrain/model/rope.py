@@ -16,7 +16,7 @@ from dstrain.config.model_args import ModelArgs
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's attention-temperature correction 0.1 * mscale * ln(factor) + 1 (1 when factor <= 1)."""
+    """YaRN attention-temperature correction: 0.1 * mscale * ln(factor) + 1, or 1 if factor <= 1."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 

@@ -115,7 +115,7 @@ class Transformer(nn.Module):
                 nn.init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, std=1.0)
-            elif isinstance(module, RMSNorm) or isinstance(module, RotaryEmbedding):
+            elif isinstance(module, (RMSNorm, RotaryEmbedding)):
                 module.reset_parameters()
         for name, param in self.named_parameters():
             if param.dim() == 3:  # grouped experts

@@ -1,0 +1,166 @@
+"""Where text comes from: the embedded standard-library corpus or the user's own files.
+
+A `Corpus` is a lazy, ordered stream of non-empty documents plus a `fingerprint` that changes
+whenever the documents may have changed; tokenizers and shards are cached under it, so a second
+run with the same corpus reads nothing but the fingerprint's inputs.
+"""
+
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dstrain.data.readers import SUPPORTED_SUFFIXES, read_documents
+from dstrain.errors import UserError
+
+EMBEDDED = "embedded"
+# The embedded corpus is the first files (in sorted order) up to this many bytes: big enough to
+# train a 2k-vocabulary BPE and a debug model, small enough to tokenize in seconds.
+EMBEDDED_MAX_BYTES = 6_000_000
+_EMBEDDED_SKIP_DIRS = frozenset({"site-packages", "test", "tests", "idlelib", "lib2to3"})
+# Bump when the way documents are read changes, so that caches built by older code are not reused.
+_READER_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """An ordered stream of documents, identified by `fingerprint` (a sha256 hex digest)."""
+
+    name: str
+    fingerprint: str
+    num_bytes: int
+    _read: Callable[[], Iterator[str]] = field(repr=False, compare=False)
+
+    def documents(self) -> Iterator[str]:
+        """The non-empty documents in order; raises UserError at the end if there was none."""
+        found = False
+        for doc in self._read():
+            if doc:
+                found = True
+                yield doc
+        if not found:
+            raise UserError(
+                f"the corpus {self.name} has no non-empty document",
+                fix="point data.source at files that contain text (and check data.text_field)",
+                exit_code=1,
+            )
+
+    def batches(self, size: int) -> Iterator[list[str]]:
+        """The documents in lists of up to `size`, for batched tokenization."""
+        batch: list[str] = []
+        for doc in self.documents():
+            batch.append(doc)
+            if len(batch) == size:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+
+def open_corpus(source: str, *, text_field: str = "text", cache_dir: Path) -> Corpus:
+    """`embedded` or a path to a .txt/.jsonl/.parquet file or a directory of them.
+
+    Only lists and stats the files: reading (and its errors: missing text field, malformed
+    JSONL, empty corpus) happens when `documents()` is iterated.
+    """
+    if source == EMBEDDED:
+        return embedded_corpus()
+    files = find_files(Path(source))
+    return Corpus(
+        name=source,
+        fingerprint=_stat_fingerprint(files, text_field),
+        num_bytes=sum(path.stat().st_size for path in files),
+        _read=lambda: read_documents(files, text_field, Path(cache_dir) / "datasets"),
+    )
+
+
+def corpus_from_texts(texts: Sequence[str], name: str = "in-memory texts") -> Corpus:
+    """A corpus of the given documents, fingerprinted by their content."""
+    digest = hashlib.sha256(f"texts-v{_READER_VERSION}".encode())
+    for text in texts:
+        data = text.encode("utf-8", errors="surrogatepass")
+        digest.update(len(data).to_bytes(8, "little") + data)
+    num_bytes = sum(len(text.encode("utf-8", errors="surrogatepass")) for text in texts)
+    return Corpus(name, digest.hexdigest(), num_bytes, lambda: iter(texts))
+
+
+def embedded_corpus() -> Corpus:
+    """The Python standard library's own source, one document per file: no download.
+
+    The same Python version gives the same corpus on every machine: files are taken in sorted
+    relative-path order until `EMBEDDED_MAX_BYTES`, and the fingerprint hashes their content.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts = []
+    total = 0
+    for relative in _stdlib_sources(root):
+        if total >= EMBEDDED_MAX_BYTES:
+            break
+        data = (root / relative).read_bytes()
+        texts.append(data.decode("utf-8", errors="replace"))
+        total += len(data)
+    version = ".".join(map(str, sys.version_info[:3]))
+    return corpus_from_texts(texts, f"embedded (Python {version} stdlib, {len(texts)} files)")
+
+
+def _stdlib_sources(root: Path) -> list[str]:
+    """Relative posix paths of the stdlib's .py files, sorted, without tests and site-packages."""
+    found = []
+    for directory, subdirs, files in os.walk(root):
+        subdirs[:] = [name for name in subdirs if name not in _EMBEDDED_SKIP_DIRS]
+        base = Path(directory).relative_to(root)
+        found += [(base / name).as_posix() for name in files if name.endswith(".py")]
+    return sorted(found)
+
+
+def find_files(path: Path) -> list[Path]:
+    """The supported files at `path`: the file itself, or a directory's files, recursively and
+    sorted by relative path. Hidden files and folders (`.cache`, `.git`) are skipped."""
+    if not path.exists():
+        raise UserError(
+            f"data.source {path} does not exist",
+            fix="point data.source at a .txt/.jsonl/.parquet file or a directory of them, "
+            "or use `embedded`",
+        )
+    if path.is_file():
+        _check_suffix(path)
+        return [path]
+    files = sorted(
+        (p for p in path.rglob("*") if _visible(p, path) and p.suffix in SUPPORTED_SUFFIXES),
+        key=lambda p: p.relative_to(path).as_posix(),
+    )
+    if not files:
+        raise UserError(
+            f"data.source {path} holds no supported file "
+            f"(looked for {', '.join(SUPPORTED_SUFFIXES)}, recursively)",
+            fix="add .txt (one document per file), .jsonl (one per line) or .parquet files",
+            exit_code=1,
+        )
+    return files
+
+
+def _check_suffix(path: Path) -> None:
+    if path.suffix not in SUPPORTED_SUFFIXES:
+        raise UserError(
+            f"data.source {path}: unsupported file type `{path.suffix or '(none)'}`",
+            fix=f"use one of {', '.join(SUPPORTED_SUFFIXES)}, or a directory of them",
+            exit_code=1,
+        )
+
+
+def _visible(path: Path, root: Path) -> bool:
+    return path.is_file() and not any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
+def _stat_fingerprint(files: list[Path], text_field: str) -> str:
+    """Paths, sizes and modification times: cheap, and any edit or move invalidates caches."""
+    entries = []
+    for path in files:
+        stat = path.stat()
+        entries.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
+    identity = json.dumps([f"files-v{_READER_VERSION}", text_field, entries])
+    return hashlib.sha256(identity.encode()).hexdigest()
