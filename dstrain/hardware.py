@@ -98,6 +98,18 @@ def gpu_spec(name: str) -> GPUSpec:
     )
 
 
+def gpu_from_device_name(device_name: str) -> GPUSpec | None:
+    """The table entry for a name as the driver reports it ("NVIDIA A100-SXM4-40GB",
+    "NVIDIA H100 80GB HBM3", "AMD Instinct MI250X"), or None when it is not in the table."""
+    name = device_name.upper().replace(" ", "").replace("-", "")
+    for family in ("H800", "H200", "H100", "B200", "V100", "L40S", "MI250X", "MI300X", "4090"):
+        if family in name:
+            return GPUS["rtx4090" if family == "4090" else family.lower()]
+    if "A100" in name:
+        return GPUS["a100-40gb" if "40G" in name else "a100-80gb"]
+    return None
+
+
 def network_gbps(preset: str) -> float:
     key = preset.strip().lower()
     if key in NETWORKS:

@@ -1,29 +1,65 @@
-"""`dstrain train [CONFIG]`: validate the config, then train (the trainer arrives with issue 3)."""
+"""`dstrain train [CONFIG]`: pre-flight the config, then train (no arguments: the debug model on
+the embedded corpus, on CPU)."""
 
 import argparse
 
-from dstrain.cli.common import NOT_BUILT_EXIT, add_config_args, console
+from dstrain.cli.common import add_config_args, console
 from dstrain.config.load import load_config
 from dstrain.config.preflight import preflight
 from dstrain.config.validate import raise_if_errors
+
+_EPILOG = """\
+The run directory is runs/<run.name>/: config.toml (exactly what ran), metrics.jsonl, tb/
+(TensorBoard), checkpoints/step-N/ with a `latest` pointer, and summary.json.
+A run directory that already holds a checkpoint resumes from it (checkpoint.resume = auto);
+--resume PATH resumes from a given checkpoint, --fresh ignores existing ones.
+
+examples:
+  dstrain train                                   # debug model, embedded corpus, CPU
+  dstrain train run.toml --set train.steps=1000 --set run.name=longer
+  dstrain train --set data.source=corpus.jsonl --set data.text_field=content
+"""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "train",
         help="train (no arguments: the debug model on the embedded corpus, on CPU)",
-        description="Run the pre-flight checks on the config, then train.",
+        description="Check the config with the same rules as `dstrain check`, then train and "
+        "write the run directory.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_args(parser)
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--resume", metavar="PATH", help="resume from this checkpoint folder")
+    group.add_argument("--fresh", action="store_true", help="start over; ignore checkpoints")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    loaded = load_config(args.config, args.overrides)
+    overrides = list(args.overrides)
+    if args.resume:
+        overrides.append(f'checkpoint.resume="{args.resume}"')
+    if args.fresh:
+        overrides.append("checkpoint.resume=never")
+    loaded = load_config(args.config, overrides)
     raise_if_errors(preflight(loaded, world_size=1))
-    console(stderr=True).print(
-        "dstrain train: the config passes the pre-flight; the trainer itself is not built yet "
-        "(the model/training issue).",
+    from dstrain.train.trainer import Trainer  # torch loads only once the config is known good
+
+    trainer = Trainer(loaded.config)
+    if trainer.step >= loaded.config.train.steps:
+        console(stderr=True).print(
+            f"dstrain train: {trainer.run_dir} is already complete at step {trainer.step} "
+            "(--fresh to start over, or raise train.steps)",
+            markup=False,
+        )
+        return 0
+    summary = trainer.train()
+    console().print(
+        f"done: {summary.steps} steps, loss {summary.final_loss:.4f}, "
+        f"{summary.tokens_per_s:,.0f} tokens/s, MFU {100 * summary.mfu:.1f}%, "
+        f"{summary.wall_s:.0f} s -> {trainer.run_dir}",
         markup=False,
     )
-    return NOT_BUILT_EXIT
+    return 0

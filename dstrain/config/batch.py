@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from dstrain.config.findings import Finding, error, info
 
-DEFAULT_MICRO_BATCH = 8
+DEFAULT_MICRO_BATCH = 16
 
 
 @dataclass(frozen=True)

@@ -128,12 +128,12 @@ class LossScaleConfig(Section):
 class TrainConfig(Section):
     """Batch arithmetic, length, precision and memory of one run."""
 
-    steps: int = Field(200, gt=0, description="Optimizer steps to run.")
+    steps: int = Field(500, gt=0, description="Optimizer steps to run.")
     micro_batch_size: int | None = Field(
         None,
         ge=1,
         description="Sequences per rank per forward. None = inferred from global_batch_size / "
-        "(grad_accum_steps x dp), as DeepSpeed does; 8 when nothing else is given.",
+        "(grad_accum_steps x dp), as DeepSpeed does; 16 when nothing else is given.",
     )
     global_batch_size: int | None = Field(
         None,
@@ -161,7 +161,7 @@ class TrainConfig(Section):
         "or full (every block).",
     )
     compile: bool = Field(False, description="torch.compile each transformer block.")
-    seed: int = Field(42, description="Seed for weights, data order and dropout.")
+    seed: int = Field(42, ge=0, description="Seed for weights, data order and dropout.")
     deterministic: bool = Field(
         False, description="Deterministic kernels; bit-identical reruns on the same layout."
     )
@@ -171,7 +171,12 @@ class OptimConfig(Section):
     """The optimizer (AdamW by default; no weight decay on norms and biases)."""
 
     name: Literal["adamw", "adam", "sgd"] = Field("adamw", description="Optimizer.")
-    lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
+    lr: float = Field(
+        2e-3,
+        gt=0,
+        description="Peak learning rate. The default suits the tiny debug model; models of "
+        "billions of parameters train at ~1e-4..4e-4.",
+    )
     betas: tuple[float, float] = Field((0.9, 0.95), description="Adam betas (beta1, beta2).")
     eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
     weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay (AdamW).")
@@ -211,7 +216,7 @@ class DataConfig(Section):
     tokenizer: Literal["bpe", "bytes"] = Field(
         "bpe",
         description="`bpe`: byte-level BPE trained locally on the corpus (cached); `bytes`: raw "
-        "UTF-8 bytes (vocabulary 256).",
+        "UTF-8 bytes plus an end-of-document id (vocabulary 257).",
     )
     cache_dir: Path = Field(
         Path(".cache/dstrain"), description="Where tokenizers and token shards are cached."

@@ -82,7 +82,7 @@ class Shards:
                 f"{self.directory}: tokenizer `{self.manifest.tokenizer}` has no {TOKENIZER_FILE}",
                 fix="re-create the shards with dstrain (it stores the BPE tokenizer beside them)",
             )
-        return BPETokenizer.load(path, self.manifest.tokenizer)
+        return BPETokenizer.load(path, self.manifest.tokenizer, self.manifest.eos_id)
 
 
 def is_shard_dir(path: Path) -> bool:
@@ -119,12 +119,13 @@ def build_shards(
     print(f"dstrain: tokenizing {corpus.name} -> {directory}", file=sys.stderr)
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{directory.name}-"))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the shards are read by every rank's process
     try:
         manifest = _write(corpus, tokenizer, tmp, shard_tokens)
         _publish(tmp, directory, corpus, tokenizer)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return _open_current(directory, corpus, tokenizer) or Shards(directory, manifest)
+    return Shards(directory, manifest)
 
 
 def _write(corpus: Corpus, tokenizer: Tokenizer, directory: Path, shard_tokens: int) -> Manifest:
@@ -136,7 +137,9 @@ def _write(corpus: Corpus, tokenizer: Tokenizer, directory: Path, shard_tokens: 
         for ids in tokenizer.encode_batch(batch):
             flat += ids
             flat.append(tokenizer.eos_id)
-        writer.add(np.array(flat, dtype=_dtype(dtype)))
+        tokens = np.array(flat, dtype=_dtype(dtype))
+        assert int(tokens.max()) < tokenizer.vocab_size, (tokenizer.name, int(tokens.max()))
+        writer.add(tokens)
         num_documents += len(batch)
     shards = writer.close()
     if isinstance(tokenizer, BPETokenizer):

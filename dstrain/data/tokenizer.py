@@ -70,14 +70,15 @@ class ByteTokenizer(Tokenizer):
 class BPETokenizer(Tokenizer):
     """A `tokenizers` byte-level BPE with the special token `<|eos|>`."""
 
-    def __init__(self, tokenizer: HFTokenizer, name: str) -> None:
+    def __init__(self, tokenizer: HFTokenizer, name: str, eos_id: int | None = None) -> None:
+        """`eos_id` None = the id of `<|eos|>`; pre-tokenized shards may name another."""
         # Documents that contain the literal text "<|eos|>" must round-trip as text, not
         # silently gain a document boundary.
         tokenizer.encode_special_tokens = True
         self._tokenizer = tokenizer
         self.name = name
         self.vocab_size = tokenizer.get_vocab_size()
-        self.eos_id = tokenizer.token_to_id(EOS_TOKEN)
+        self.eos_id = tokenizer.token_to_id(EOS_TOKEN) if eos_id is None else eos_id
         self.fingerprint = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
 
     @classmethod
@@ -99,8 +100,8 @@ class BPETokenizer(Tokenizer):
         return cls(tokenizer, name)
 
     @classmethod
-    def load(cls, path: Path, name: str) -> "BPETokenizer":
-        return cls(HFTokenizer.from_file(str(path)), name)
+    def load(cls, path: Path, name: str, eos_id: int | None = None) -> "BPETokenizer":
+        return cls(HFTokenizer.from_file(str(path)), name, eos_id)
 
     def save(self, path: Path) -> None:
         """Write atomically: a crash or a concurrent writer never leaves a half-written file."""
@@ -155,6 +156,7 @@ def write_atomic(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as file:
             file.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; caches are read by other processes
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -1,0 +1,1 @@
+"""Checkpoints: sharded DCP saves of the whole training state, and finding them again."""

@@ -1,0 +1,1 @@
+"""Metrics: one processor with namespaced keys, pluggable sinks, and the device peak for MFU."""

@@ -1,0 +1,61 @@
+"""Cross-entropy for the main head and the MTP heads, normalized once by global token counts.
+
+Each micro-batch contributes sum(CE) / (valid tokens of the whole global batch), so gradient
+accumulation, data parallelism and pipelining give exactly the loss of one big batch (STYLE 15).
+MTP (DeepSeek-V3 eq. 25): lambda / D x sum over depths of that depth's mean CE.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class TokenCounts:
+    """Valid target tokens per depth (index 0: the main head) over the global batch."""
+
+    per_depth: tuple[int, ...]
+
+    @classmethod
+    def of(cls, labels: list[torch.Tensor], num_mtp: int) -> "TokenCounts":
+        """Counts for this rank's micro-batches (the trainer all-reduces them across ranks)."""
+        return cls(
+            tuple(
+                int(sum((lab[:, k:] != IGNORE_INDEX).sum().item() for lab in labels))
+                for k in range(num_mtp + 1)
+            )
+        )
+
+
+def loss_terms(
+    outputs: torch.Tensor | tuple[torch.Tensor, ...],
+    labels_BS: torch.Tensor,
+    counts: TokenCounts,
+    mtp_weight: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(loss to back-propagate, detached parts {"main", "mtp"}) for one micro-batch."""
+    logits = outputs if isinstance(outputs, torch.Tensor) else outputs[0]
+    main = _ce_sum(logits, labels_BS) / max(counts.per_depth[0], 1)
+    parts = {"main": main.detach()}
+    total = main
+    if not isinstance(outputs, torch.Tensor) and len(outputs) > 1:
+        depth = len(outputs) - 1
+        mtp = sum(
+            _ce_sum(out, labels_BS[:, k:]) / max(counts.per_depth[k], 1)
+            for k, out in enumerate(outputs[1:], start=1)
+        )
+        parts["mtp"] = mtp.detach() / depth
+        total = total + mtp_weight / depth * mtp
+    return total, parts
+
+
+def _ce_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(
+        logits_BSV.flatten(0, 1).float(),
+        labels_BS.flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )

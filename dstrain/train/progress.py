@@ -1,0 +1,71 @@
+"""What the user watches: one logger with a fixed prefix, and a live progress bar.
+
+The bar (step, loss, lr, tokens/s, MFU, ETA) draws only on a terminal; every log interval also
+prints one plain line, so CI logs and `tee`d files show the run too.
+"""
+
+import sys
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+PREFIX = "[dstrain]"
+_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def log(message: str) -> None:
+    _console.print(f"{PREFIX} {message}", markup=False)
+
+
+class TrainProgress:
+    def __init__(self, total_steps: int, start_step: int) -> None:
+        self.progress = Progress(
+            TextColumn("step"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TextColumn("{task.fields[stats]}"),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=_console,
+            disable=not _console.is_terminal,
+        )
+        self.task = self.progress.add_task(
+            "train", total=total_steps, completed=start_step, stats="starting"
+        )
+
+    def __enter__(self) -> "TrainProgress":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def advance(self) -> None:
+        self.progress.advance(self.task)
+
+    def report(self, step: int, metrics: dict[str, float]) -> None:
+        stats = _format(metrics)
+        self.progress.update(self.task, stats=stats)
+        if self.progress.disable:
+            print(f"{PREFIX} step {step}: {stats}", file=sys.stderr, flush=True)
+        else:
+            self.progress.console.print(f"{PREFIX} step {step}: {stats}", markup=False)
+
+
+def _format(m: dict[str, float]) -> str:
+    parts = [f"loss {m['loss/main']:.4f}"]
+    if "loss/mtp" in m:
+        parts.append(f"mtp {m['loss/mtp']:.4f}")
+    parts.append(f"lr {m['optim/lr']:.2e}")
+    parts.append(f"{m['throughput/tokens_per_s']:,.0f} tok/s")
+    if "throughput/mfu" in m:
+        parts.append(f"MFU {100 * m['throughput/mfu']:.1f}%")
+    return "  ".join(parts)

@@ -1,0 +1,288 @@
+"""The Trainer: builds everything a run needs (in the order below), then runs the loop.
+
+One process for now; the N-D parallel issue adds the process groups and meshes to `_build_*`.
+"""
+
+import json
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from dstrain.checkpoint import store
+from dstrain.config.batch import BatchPlan, resolve_batch
+from dstrain.config.flavors import resolve_model_args
+from dstrain.config.load import to_toml
+from dstrain.config.schema import DstrainConfig
+from dstrain.config.validate import raise_if_errors
+from dstrain.data.build import build_dataset
+from dstrain.data.loader import DataLoader
+from dstrain.metrics.peak import peak_flops
+from dstrain.metrics.sinks import JsonlSink, Sink, TensorBoardSink
+from dstrain.model.flops import param_counts, training_flops_per_token
+from dstrain.model.transformer import build_model
+from dstrain.parallel.parallelize import parallelize_model
+from dstrain.train.loss_scale import LossScaler
+from dstrain.train.lr import build_scheduler
+from dstrain.train.optim import build_optimizer
+from dstrain.train.progress import TrainProgress, log
+from dstrain.train.step import StepResult, train_step
+
+
+@dataclass
+class RunSummary:
+    steps: int
+    final_loss: float
+    tokens_per_s: float
+    mfu: float
+    peak_rss_mb: float
+    wall_s: float
+
+
+class Trainer:
+    def __init__(self, config: DstrainConfig) -> None:
+        self.config = config
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.run_dir = config.run.root / config.run.name
+        self._build_determinism()
+        self.model_args = resolve_model_args(config.model)
+        self.batch = self._build_batch()
+        self.tokenizer, self.dataset = build_dataset(
+            config.data, vocab_size=self.model_args.vocab_size, seq_len=config.train.seq_len
+        )
+        self.model = self._build_model()
+        self.optimizer = build_optimizer(self.model, config.optim)
+        self.scheduler = build_scheduler(self.optimizer, config.lr, config.train.steps)
+        self.scaler = LossScaler(config.train.loss_scale, config.train.precision == "fp16")
+        self.loader = self._build_loader()
+        self.step = 0
+        self._resume()
+        self.sinks = self._build_sinks()
+        self.flops_per_token = training_flops_per_token(self.model_args, config.train.seq_len)
+        self.peak = peak_flops(self.device, config.train.precision)
+        self._log_start()
+
+    def _build_determinism(self) -> None:
+        torch.manual_seed(self.config.train.seed)
+        if self.config.train.deterministic:
+            torch.use_deterministic_algorithms(True)
+
+    def _build_batch(self) -> BatchPlan:
+        t = self.config.train
+        plan, findings = resolve_batch(
+            t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, 1
+        )
+        raise_if_errors(findings)
+        assert plan is not None
+        return plan
+
+    def _build_model(self) -> torch.nn.Module:
+        model = build_model(self.model_args, self.device)
+        return parallelize_model(model, self.config)
+
+    def _build_loader(self) -> DataLoader:
+        return DataLoader(
+            self.dataset,
+            global_batch_size=self.batch.global_batch_size,
+            micro_batch_size=self.batch.micro_batch_size,
+            dp_rank=0,
+            dp_size=1,
+            seed=self.config.train.seed,
+        )
+
+    def _build_sinks(self) -> list[Sink]:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.toml").write_text(to_toml(self.config))
+        metrics = self.run_dir / "metrics.jsonl"
+        _truncate_after(metrics, self.step)
+        sinks: list[Sink] = []
+        if self.config.metrics.jsonl:
+            sinks.append(JsonlSink(metrics))
+        if self.config.metrics.tensorboard:
+            sinks.append(TensorBoardSink(self.run_dir / "tb"))
+        return sinks
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """Everything a resume needs: weights (with MoE biases), optimizer, schedule, data
+        position, loss scale and RNG."""
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {
+            "model": model_state,
+            "optim": optim_state,
+            "train": {
+                "step": self.step,
+                "lr_last_epoch": self.scheduler.last_epoch,
+                "loader": self.loader.state_dict(),
+                "scaler": self.scaler.state_dict(),
+                "rng": torch.get_rng_state(),
+            },
+        }
+
+    def save_checkpoint(self) -> Path:
+        ckpt = self.config.checkpoint
+        return store.save(
+            self.run_dir / "checkpoints", self.step, self.state(), keep_last_k=ckpt.keep_last_k
+        )
+
+    def _resume(self) -> None:
+        path = self._resume_path()
+        if path is None:
+            return
+        state = self.state()
+        store.load(path, state)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+        train = state["train"]
+        self.step = int(train["step"])
+        self.scheduler.last_epoch = int(train["lr_last_epoch"])
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]  # type: ignore[attr-defined]
+        self.loader.load_state_dict(train["loader"])
+        self.scaler.load_state_dict(train["scaler"])
+        torch.set_rng_state(train["rng"])
+        log(f"resumed from {path} at step {self.step}")
+
+    def _resume_path(self) -> Path | None:
+        how = self.config.checkpoint.resume
+        if how == "never":
+            return None
+        if how != "auto":
+            return Path(how)
+        return store.latest(self.run_dir / "checkpoints")
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def train(self) -> RunSummary:
+        cfg = self.config
+        start, started = self.step, time.perf_counter()
+        window = _Window()
+        last: StepResult | None = None
+        with TrainProgress(cfg.train.steps, self.step) as progress:
+            while self.step < cfg.train.steps:
+                window.start()
+                last = self._one_step()
+                window.stop(last.tokens)
+                progress.advance()
+                if self.step % cfg.metrics.log_interval == 0 or self.step == cfg.train.steps:
+                    metrics = self._metrics(last, window)
+                    for sink in self.sinks:
+                        sink.write(self.step, metrics)
+                    progress.report(self.step, metrics)
+                    window.reset()
+                if cfg.checkpoint.enable and self.step % cfg.checkpoint.interval == 0:
+                    self.save_checkpoint()
+        if cfg.checkpoint.enable and self.step > start and self.step % cfg.checkpoint.interval:
+            self.save_checkpoint()
+        return self._finish(start, started, last)
+
+    def _one_step(self) -> StepResult:
+        t, args = self.config.train, self.model_args
+        self.model.train()
+        result = train_step(
+            self.model,
+            self.optimizer,
+            self.loader.next_step(),
+            scaler=self.scaler,
+            precision=t.precision,
+            grad_clip=t.grad_clip,
+            mtp_weight=args.mtp_loss_weight,
+            num_mtp=args.num_mtp_modules,
+            bias_update_speed=args.bias_update_speed,
+        )
+        if not result.skipped:
+            self.scheduler.step()
+        self.step += 1
+        return result
+
+    def _metrics(self, result: StepResult, window: "_Window") -> dict[str, float]:
+        tokens_per_s = window.tokens / max(window.seconds, 1e-9)
+        metrics = {
+            "loss/main": result.loss.item(),
+            "optim/lr": self.optimizer.param_groups[0]["lr"],
+            "optim/grad_norm": result.grad_norm.item(),
+            "throughput/tokens_per_s": tokens_per_s,
+            "time/step_s": window.seconds / max(window.steps, 1),
+            "memory/rss_mb": _peak_rss_mb(),
+        }
+        if result.mtp_loss is not None:
+            metrics["loss/mtp"] = result.mtp_loss.item()
+        if self.scaler.enabled:
+            metrics["optim/loss_scale"] = self.scaler.scale
+        if self.peak:
+            metrics["throughput/mfu"] = tokens_per_s * self.flops_per_token / self.peak
+        for name, load in result.expert_load.items():
+            if load.sum() > 0:
+                metrics[f"moe/{name}/max_over_mean"] = (load.max() / load.mean()).item()
+        return metrics
+
+    def _finish(self, start: int, started: float, last: StepResult | None) -> RunSummary:
+        wall = time.perf_counter() - started
+        tokens = (self.step - start) * self.batch.global_batch_size * self.config.train.seq_len
+        tokens_per_s = tokens / wall if wall > 0 else 0.0
+        summary = RunSummary(
+            steps=self.step,
+            final_loss=last.loss.item() if last is not None else float("nan"),
+            tokens_per_s=tokens_per_s,
+            mfu=tokens_per_s * self.flops_per_token / self.peak if self.peak else 0.0,
+            peak_rss_mb=_peak_rss_mb(),
+            wall_s=wall,
+        )
+        (self.run_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2) + "\n")
+        for sink in self.sinks:
+            sink.close()
+        return summary
+
+    def _log_start(self) -> None:
+        counts = param_counts(self.model_args)
+        log(f"run directory {self.run_dir} (resolved config in config.toml)")
+        log(
+            f"model {self.config.model.flavor}: {counts.total / 1e6:.2f}M parameters, "
+            f"{counts.activated / 1e6:.2f}M activated per token"
+        )
+        log(
+            f"layout: 1 process on {self.device.type}; {self.batch.describe()}, "
+            f"seq_len {self.config.train.seq_len}"
+        )
+        log(
+            f"data: {self.config.data.source} ({len(self.dataset):,} samples), "
+            f"tokenizer {self.tokenizer.name}"
+        )
+
+
+class _Window:
+    """Wall time and tokens since the last log line."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds, self.tokens, self.steps = 0.0, 0, 0
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def stop(self, tokens: int) -> None:
+        self.seconds += time.perf_counter() - self._t0
+        self.tokens += tokens
+        self.steps += 1
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """A resumed run rewrites history from its checkpoint on: drop logged steps after it."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in kept))
