@@ -1,4 +1,5 @@
-"""RMSNorm, computed in fp32 whatever the input dtype (as DeepSeek's and HF's reference do)."""
+"""RMSNorm, computed in at least fp32 whatever the input dtype (as DeepSeek's and HF's reference
+do for bf16); fp64 inputs stay fp64."""
 
 import torch
 from torch import nn
@@ -12,7 +13,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
+        x = x.to(torch.promote_types(dtype, torch.float32))
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 

@@ -82,7 +82,7 @@ class RotaryEmbedding(nn.Module):
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs of the last dim of x [B, S, H, dim] by angles for positions 0..S-1."""
     dtype = x.dtype
-    pairs = x.float().unflatten(-1, (-1, 2))
+    pairs = x.to(torch.promote_types(dtype, torch.float32)).unflatten(-1, (-1, 2))
     even, odd = pairs[..., 0], pairs[..., 1]
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)

@@ -53,8 +53,10 @@ def loss_terms(
 
 
 def _ce_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+    # Upcast bf16/fp16 logits for a stable softmax; fp64 (tests) stays fp64.
+    wide = torch.promote_types(logits_BSV.dtype, torch.float32)
     return F.cross_entropy(
-        logits_BSV.flatten(0, 1).float(),
+        logits_BSV.flatten(0, 1).to(wide),
         labels_BS.flatten(),
         ignore_index=IGNORE_INDEX,
         reduction="sum",

@@ -55,9 +55,9 @@ def train_step(
             outputs = model(mb[:, :-1].to(device))
         total, parts = loss_terms(outputs, lab.to(device), counts, mtp_weight)
         (total * scaler.loss_multiplier()).backward()
-        loss += parts["main"]
+        loss = loss + parts["main"]
         if mtp_loss is not None:
-            mtp_loss += parts["mtp"]
+            mtp_loss = mtp_loss + parts["mtp"]
     params = [p for p in model.parameters() if p.grad is not None]
     finite = scaler.unscale_and_check(params)
     max_norm = grad_clip if grad_clip > 0 else float("inf")

@@ -1,0 +1,184 @@
+"""`dstrain train` as a user runs it: the run directory, a falling loss, exact resume, and clear
+errors for bad data."""
+
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from dstrain.checkpoint import store
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """~300 KB of real Python source as a .txt corpus (one document per file)."""
+    folder = tmp_path_factory.mktemp("corpus")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in ("json", "email", "logging", "asyncio", "http"):
+        for source in sorted((stdlib / name).glob("*.py"))[:12]:
+            (folder / f"{name}_{source.stem}.txt").write_text(source.read_text())
+    return folder
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+def _train(corpus: Path, cache: Path, root: Path, *extra: str):
+    return run_cli(
+        "train",
+        "--set",
+        f"data.source={corpus}",
+        "--set",
+        f"data.cache_dir={cache}",
+        "--set",
+        f"run.root={root}",
+        "--set",
+        "train.seq_len=64",
+        "--set",
+        "train.micro_batch_size=8",
+        "--set",
+        "metrics.log_interval=1",
+        "--set",
+        "lr.warmup_steps=5",
+        *extra,
+    )
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_run_leaves_its_directory_and_learns(corpus, cache, tmp_path):
+    result = _train(
+        corpus,
+        cache,
+        tmp_path,
+        "--set",
+        "train.steps=40",
+        "--set",
+        "checkpoint.interval=15",
+        "--set",
+        "checkpoint.keep_last_k=2",
+    )
+    assert result.code == 0, result.text
+    run = tmp_path / "default"
+    assert (run / "config.toml").read_text().count("steps = 40") == 1
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    for key in (
+        "loss/main",
+        "loss/mtp",
+        "optim/lr",
+        "optim/grad_norm",
+        "throughput/tokens_per_s",
+        "throughput/mfu",
+    ):
+        assert all(key in r for r in rows), key
+    first = sum(r["loss/main"] for r in rows[:5]) / 5
+    last = sum(r["loss/main"] for r in rows[-5:]) / 5
+    assert last < first - 1.0, (first, last)  # from ~ln(2048) = 7.6 down by well over a nat
+    assert list((run / "tb").glob("events.out.tfevents.*"))
+    kept = [p.name for p in store.checkpoints(run / "checkpoints")]
+    assert kept == ["step-30", "step-40"]  # every 15 steps and at the end; keep_last_k = 2
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-40"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 40 and summary["tokens_per_s"] > 0
+    again = _train(corpus, cache, tmp_path, "--set", "train.steps=40")
+    assert again.code == 0 and "already complete at step 40" in again.err
+
+
+def test_resume_is_bit_identical(corpus, cache, tmp_path):
+    fixed = ("--set", "lr.decay_steps=11", "--set", "checkpoint.interval=100")
+    whole = _train(corpus, cache, tmp_path / "a", "--set", "train.steps=16", *fixed)
+    first = _train(corpus, cache, tmp_path / "b", "--set", "train.steps=8", *fixed)
+    rest = _train(corpus, cache, tmp_path / "b", "--set", "train.steps=16", *fixed)
+    assert whole.code == first.code == rest.code == 0, rest.text
+    assert "resumed from" in rest.err and "step 8" in rest.err
+    a, b = _metrics(tmp_path / "a" / "default"), _metrics(tmp_path / "b" / "default")
+    assert [r["step"] for r in b] == list(range(1, 17))
+    for key in ("loss/main", "loss/mtp", "optim/grad_norm", "optim/lr"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    weights_a = _weights(tmp_path / "a" / "default")
+    weights_b = _weights(tmp_path / "b" / "default")
+    assert weights_a.keys() == weights_b.keys()
+    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}
+    _load_state_dict(
+        state,
+        storage_reader=FileSystemReader(str(store.latest(run / "checkpoints"))),
+        planner=_EmptyStateDictLoadPlanner(),
+        no_dist=True,
+    )
+    return {k: v for k, v in state["model"].items()}
+
+
+def test_missing_data_is_one_clear_error(tmp_path):
+    result = run_cli(
+        "train", "--set", f"data.source={tmp_path / 'nope.jsonl'}", "--set", f"run.root={tmp_path}"
+    )
+    assert result.code == 1
+    assert "data path not found" in result.err and "Traceback" not in result.text
+    assert not (tmp_path / "default").exists()
+
+
+def test_empty_corpus_is_one_clear_error(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "empty.txt").write_text("   \n")
+    result = run_cli(
+        "train",
+        "--set",
+        f"data.source={tmp_path / 'data'}",
+        "--set",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "--set",
+        f"run.root={tmp_path}",
+    )
+    assert result.code != 0 and "Traceback" not in result.text
+    assert "empty" in result.err.lower()
+
+
+def test_resume_from_a_missing_checkpoint(tmp_path):
+    result = run_cli("train", "--resume", str(tmp_path / "ckpt"), "--set", f"run.root={tmp_path}")
+    assert result.code == 1 and "checkpoint to resume from not found" in result.err
+
+
+def test_export_hf_loads_in_transformers_with_the_same_logits(corpus, cache, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    assert _train(corpus, cache, tmp_path, "--set", "train.steps=3").code == 0
+    out = tmp_path / "hf"
+    result = run_cli("ckpt", "export-hf", tmp_path / "default", "-o", out)
+    assert result.code == 0, result.text
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    from dstrain.checkpoint.export import _locate
+    from dstrain.config.flavors import resolve_model_args
+    from dstrain.config.load import load_config
+    from dstrain.model.transformer import build_model
+
+    args = resolve_model_args(load_config(tmp_path / "default" / "config.toml").config.model)
+    ours = build_model(args)
+    state = {"model": ours.state_dict()}
+    store.load(_locate(tmp_path / "default")[1], state)
+    ours.load_state_dict(state["model"])
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs, mine = hf(tokens).logits, ours.eval()(tokens)[0]
+    assert (theirs - mine).abs().max().item() < 1e-4
+
+
+def test_export_hf_bad_source(tmp_path):
+    result = run_cli("ckpt", "export-hf", tmp_path, "-o", tmp_path / "out")
+    assert result.code == 1 and "neither a run directory nor a checkpoint" in result.err
