@@ -41,7 +41,9 @@ class Router(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate weights [T, K] fp32, expert ids [T, K], affinities [T, E] fp32)."""
-        logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+        # Routing in at least fp32 (a bf16 router flips top-k choices); fp64 stays fp64.
+        wide = torch.promote_types(x_TD.dtype, torch.float32)
+        logits_TE = F.linear(x_TD.to(wide), self.gate.weight.to(wide))
         scores_TE = logits_TE.sigmoid() if self.score_func == "sigmoid" else logits_TE.softmax(-1)
         choice_TE = scores_TE + self.expert_bias
         if self.n_group > 1:
@@ -99,12 +101,22 @@ def _grouped_matmul(
     x_TI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor
 ) -> torch.Tensor:
     """Rows of x for expert e times w[e]^T, for every e at once."""
-    if _GROUPED_MM is not None and x_TI.dtype in _GROUPED_DTYPES:
+    if _can_group(x_TI, w_EOI):
         offsets = torch.cumsum(counts_E, 0, dtype=torch.int32)
         return _GROUPED_MM(x_TI, w_EOI.transpose(-2, -1), offs=offsets)
-    # Fallback for dtypes grouped_mm lacks (fp64 in tests) and old torch. Host sync: tolist().
+    # Fallback where grouped_mm cannot run (see _can_group). Host sync: tolist().
     chunks = x_TI.split(counts_E.tolist())
     return torch.cat([chunk @ w.T for chunk, w in zip(chunks, w_EOI, strict=True)])
+
+
+def _can_group(x_TI: torch.Tensor, w_EOI: torch.Tensor) -> bool:
+    """grouped_mm needs: torch >= 2.9; fp32/bf16/fp16 on CPU, bf16 on CUDA (its tested kernel);
+    and rows whose byte strides are multiples of 16 (dim = 30 in fp32 is not)."""
+    if _GROUPED_MM is None or x_TI.dtype not in _GROUPED_DTYPES:
+        return False
+    if x_TI.device.type != "cpu" and x_TI.dtype != torch.bfloat16:
+        return False
+    return all(n * x_TI.element_size() % 16 == 0 for n in w_EOI.shape[1:])
 
 
 class AddAuxiliaryLoss(torch.autograd.Function):
@@ -132,7 +144,7 @@ class MoE(nn.Module):
         self.shared_experts = FeedForward(args.dim, shared) if shared else None
         # Scales the balance loss's gradient; the trainer sets 1 / micro-batches per step.
         self.aux_loss_scale = 1.0
-        self.last_aux_loss = torch.zeros(())
+        self.register_buffer("last_aux_loss", torch.zeros(()), persistent=False)  # for metrics
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, D = x_BSD.shape
@@ -142,14 +154,16 @@ class MoE(nn.Module):
         token_of = order // self.top_k
         counts_E = torch.bincount(experts_TK.flatten(), minlength=self.num_experts)
         routed_TD = self.experts(x_TD[token_of], counts_E)
-        routed_TD = (routed_TD.float() * weights_TK.flatten()[order, None]).to(x_TD.dtype)
+        routed_TD = (routed_TD.to(weights_TK.dtype) * weights_TK.flatten()[order, None]).to(
+            x_TD.dtype
+        )
         out_TD = torch.zeros_like(x_TD).index_add_(0, token_of, routed_TD)
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)
         out = out_TD.view(B, S, D)
         if self.aux_loss_alpha > 0 and self.training and torch.is_grad_enabled():
             aux = self._balance_loss(scores_TE.view(B, S, -1), experts_TK.view(B, S, -1))
-            self.last_aux_loss = aux.detach()
+            self.last_aux_loss.copy_(aux.detach())
             out = AddAuxiliaryLoss.apply(out, aux * self.aux_loss_scale)
         return out
 

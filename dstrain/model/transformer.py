@@ -122,7 +122,7 @@ class Transformer(nn.Module):
                 std = out_std if name.endswith("w2") else INIT_STD
                 nn.init.trunc_normal_(param, std=std, a=-3 * std, b=3 * std)
         for name, buffer in self.named_buffers():
-            if name.endswith(("expert_bias", "tokens_per_expert")):
+            if name.endswith(("expert_bias", "tokens_per_expert", "last_aux_loss")):
                 buffer.zero_()
 
 

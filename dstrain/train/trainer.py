@@ -4,6 +4,7 @@ One process for now; the N-D parallel issue adds the process groups and meshes t
 """
 
 import json
+import os
 import resource
 import time
 from dataclasses import dataclass
@@ -69,7 +70,10 @@ class Trainer:
     def _build_determinism(self) -> None:
         torch.manual_seed(self.config.train.seed)
         if self.config.train.deterministic:
-            torch.use_deterministic_algorithms(True)
+            # cuBLAS needs a fixed workspace to be deterministic; set before the first matmul.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            # warn_only: an op without a deterministic kernel warns instead of killing the run.
+            torch.use_deterministic_algorithms(True, warn_only=True)
 
     def _build_batch(self) -> BatchPlan:
         t = self.config.train
