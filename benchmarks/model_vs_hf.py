@@ -67,13 +67,16 @@ def hf_model_config(args: ModelArgs) -> transformers.DeepseekV3Config:
             del cfg[match.group(1)]
 
 
-def build_pair(args: ModelArgs) -> tuple[torch.nn.Module, torch.nn.Module]:
+def build_pair(args: ModelArgs, experts: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     torch.manual_seed(0)
     ours = build_model(args)
     with tempfile.TemporaryDirectory() as folder:
         save_hf_checkpoint(ours.state_dict(), args, Path(folder))
         hf = transformers.DeepseekV3ForCausalLM.from_pretrained(
-            folder, config=hf_model_config(args), attn_implementation="sdpa"
+            folder,
+            config=hf_model_config(args),
+            attn_implementation="sdpa",
+            experts_implementation=experts,
         )
     return ours.train(), hf.train()
 
@@ -107,10 +110,10 @@ def stepper(
     return step
 
 
-def bench(name: str, repeats: int) -> tuple[str, float, float, float]:
+def bench(name: str, repeats: int, experts: str) -> tuple[str, float, float, float]:
     overrides, batch, seq = SHAPES[name]
     args = FLAVORS["debug"].model_copy(update={**overrides, "num_mtp_modules": 0})
-    ours, hf = build_pair(args)
+    ours, hf = build_pair(args, experts)
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, args.vocab_size, (batch, seq + 1), generator=gen) for _ in range(4)]
     diff = max_logit_diff(ours, hf, batches[0][:, :-1])
@@ -143,19 +146,32 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15, help="interleaved steps per model")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument(
+        "--hf-experts",
+        nargs="+",
+        choices=["grouped_mm", "eager"],
+        default=["grouped_mm", "eager"],
+        help="HF experts implementations to compare with: grouped_mm (its default in "
+        "transformers 5) and eager (its reference loop over experts)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    rows = [bench(name, args.repeats) for name in args.shapes]
+    rows = [
+        (experts, *bench(name, args.repeats, experts))
+        for experts in args.hf_experts
+        for name in args.shapes
+    ]
     print(
         f"CPU fp32, {args.threads} threads, AdamW lr {LR}, transformers {transformers.__version__} "
-        f"(sdpa), median of {args.repeats} interleaved steps"
+        f"(sdpa attention), median of {args.repeats} interleaved steps"
     )
-    print(f"  {'shape':<38} {'ours tok/s':>11} {'HF tok/s':>10} {'ours/HF':>8}")
-    for label, ours, hf, ratio in rows:
+    header = f"{'HF experts':<11} {'shape':<38} {'ours tok/s':>11} {'HF tok/s':>10} {'ours/HF':>8}"
+    print(f"  {header}")
+    for experts, label, ours, hf, ratio in rows:
         verdict = "ok" if ratio >= TARGET else f"below the {TARGET}x target"
-        print(f"  {label:<38} {ours:11,.0f} {hf:10,.0f} {ratio:7.2f}x  {verdict}")
+        print(f"  {experts:<11} {label:<38} {ours:11,.0f} {hf:10,.0f} {ratio:7.2f}x  {verdict}")
 
 
 if __name__ == "__main__":

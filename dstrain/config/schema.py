@@ -128,7 +128,7 @@ class LossScaleConfig(Section):
 class TrainConfig(Section):
     """Batch arithmetic, length, precision and memory of one run."""
 
-    steps: int = Field(500, gt=0, description="Optimizer steps to run.")
+    steps: int = Field(700, gt=0, description="Optimizer steps to run.")
     micro_batch_size: int | None = Field(
         None,
         ge=1,
@@ -221,7 +221,6 @@ class DataConfig(Section):
     cache_dir: Path = Field(
         Path(".cache/dstrain"), description="Where tokenizers and token shards are cached."
     )
-    num_workers: int = Field(0, ge=0, description="Loader worker processes. 0 = in-process.")
 
 
 class CheckpointConfig(Section):

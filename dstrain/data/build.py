@@ -21,12 +21,6 @@ def build_dataset(
     Every rank may call this at once (writes are atomic, the last rename wins), but each would
     tokenize: let one rank per node build first when the corpus is large.
     """
-    if cfg.num_workers:
-        print(
-            "dstrain: data.num_workers is ignored: batches are slices of memory-mapped shards, "
-            "cheap enough for the training process itself",
-            file=sys.stderr,
-        )
     source = Path(cfg.source)
     if cfg.source != EMBEDDED and is_shard_dir(source):
         shards = open_shards(source)

@@ -84,7 +84,12 @@ class MHA(nn.Module):
 def _causal_attention(
     q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """SDPA over [B, H, S, *] (value width may differ from the query/key width, as in MLA)."""
+    """SDPA over [B, H, S, *]. MLA's value width differs from its query/key width; the fused
+    SDPA kernels want them equal, so values are zero-padded to the key width and the output is
+    cut back (as torchtitan does), instead of falling back to the unfused math path."""
+    v_dim, k_dim = v_BSHV.size(-1), q_BSHK.size(-1)
+    if v_dim < k_dim:
+        v_BSHV = F.pad(v_BSHV, (0, k_dim - v_dim))
     out = F.scaled_dot_product_attention(
         q_BSHK.transpose(1, 2),
         k_BSHK.transpose(1, 2),
@@ -92,7 +97,7 @@ def _causal_attention(
         is_causal=True,
         scale=scale,
     )
-    return out.transpose(1, 2)
+    return out.transpose(1, 2)[..., :v_dim]
 
 
 def build_attention(args: ModelArgs) -> nn.Module:
