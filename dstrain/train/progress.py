@@ -29,7 +29,7 @@ class TrainProgress:
         self.progress = Progress(
             TextColumn("step"),
             MofNCompleteColumn(),
-            BarColumn(),
+            BarColumn(bar_width=20),
             TextColumn("{task.fields[stats]}"),
             TimeElapsedColumn(),
             TextColumn("eta"),
@@ -53,11 +53,23 @@ class TrainProgress:
 
     def report(self, step: int, metrics: dict[str, float]) -> None:
         stats = _format(metrics)
-        self.progress.update(self.task, stats=stats)
+        self.progress.update(self.task, stats=_compact(metrics))
         if self.progress.disable:
             print(f"{PREFIX} step {step}: {stats}", file=sys.stderr, flush=True)
         else:
             self.progress.console.print(f"{PREFIX} step {step}: {stats}", markup=False)
+
+
+def _compact(m: dict[str, float]) -> str:
+    """The bar's short form, to fit an 80-column terminal."""
+    parts = [
+        f"loss {m['loss/main']:.3f}",
+        f"lr {m['optim/lr']:.1e}",
+        f"{m['throughput/tokens_per_s'] / 1000:.1f}k tok/s",
+    ]
+    if "throughput/mfu" in m:
+        parts.append(f"MFU {100 * m['throughput/mfu']:.0f}%")
+    return " ".join(parts)
 
 
 def _format(m: dict[str, float]) -> str:
