@@ -12,7 +12,8 @@ _EPILOG = """\
 The run directory is runs/<run.name>/: config.toml (exactly what ran), metrics.jsonl, tb/
 (TensorBoard), checkpoints/step-N/ with a `latest` pointer, and summary.json.
 A run directory that already holds a checkpoint resumes from it (checkpoint.resume = auto);
---resume PATH resumes from a given checkpoint, --fresh ignores existing ones.
+--resume PATH resumes from a given checkpoint; --fresh starts from scratch (and refuses a run
+directory that already holds checkpoints, rather than mixing two runs in it).
 
 examples:
   dstrain train                                   # debug model, embedded corpus, CPU
@@ -33,7 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_args(parser)
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--resume", metavar="PATH", help="resume from this checkpoint folder")
-    group.add_argument("--fresh", action="store_true", help="start over; ignore checkpoints")
+    group.add_argument(
+        "--fresh", action="store_true", help="start from scratch, not from a checkpoint"
+    )
     parser.set_defaults(func=run)
 
 

@@ -22,6 +22,7 @@ from dstrain.config.schema import DstrainConfig
 from dstrain.config.validate import raise_if_errors
 from dstrain.data.build import build_dataset
 from dstrain.data.loader import DataLoader
+from dstrain.errors import UserError
 from dstrain.metrics.peak import peak_flops
 from dstrain.metrics.sinks import JsonlSink, Sink, TensorBoardSink
 from dstrain.model.flops import param_counts, training_flops_per_token
@@ -157,11 +158,19 @@ class Trainer:
 
     def _resume_path(self) -> Path | None:
         how = self.config.checkpoint.resume
+        existing = store.latest(self.run_dir / "checkpoints")
         if how == "never":
+            if existing is not None:
+                # Saving into it would interleave two runs' step-N folders and prune the new ones.
+                raise UserError(
+                    f"{self.run_dir} already holds checkpoints of an earlier run (newest "
+                    f"{existing.name}); starting over there would mix the two",
+                    "give the new run its own --set run.name=NAME, or delete "
+                    f"{self.run_dir / 'checkpoints'}",
+                    exit_code=1,
+                )
             return None
-        if how != "auto":
-            return Path(how)
-        return store.latest(self.run_dir / "checkpoints")
+        return existing if how == "auto" else Path(how)
 
     # ---- the loop ----------------------------------------------------------------------------
 

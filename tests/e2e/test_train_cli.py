@@ -182,3 +182,10 @@ def test_export_hf_loads_in_transformers_with_the_same_logits(corpus, cache, tmp
 def test_export_hf_bad_source(tmp_path):
     result = run_cli("ckpt", "export-hf", tmp_path, "-o", tmp_path / "out")
     assert result.code == 1 and "neither a run directory nor a checkpoint" in result.err
+
+
+def test_fresh_refuses_to_mix_two_runs(corpus, cache, tmp_path):
+    assert _train(corpus, cache, tmp_path, "--set", "train.steps=2").code == 0
+    again = _train(corpus, cache, tmp_path, "--set", "train.steps=2", "--fresh")
+    assert again.code == 1 and "already holds checkpoints" in again.err
+    assert (tmp_path / "default" / "checkpoints" / "step-2").exists()  # nothing was lost
