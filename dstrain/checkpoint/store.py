@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from dstrain.errors import UserError
@@ -20,22 +21,35 @@ from dstrain.errors import UserError
 _STEP = re.compile(r"step-(\d+)$")
 
 
-def save(folder: Path, step: int, state: dict[str, Any], keep_last_k: int = 0) -> Path:
-    """Write `state` as folder/step-{step}, point `latest` at it, prune old ones."""
-    folder.mkdir(parents=True, exist_ok=True)
+def save(
+    folder: Path, step: int, state: dict[str, Any], keep_last_k: int = 0, is_main: bool = True
+) -> Path:
+    """Write `state` as folder/step-{step}, point `latest` at it, prune old ones. Collective when
+    a process group exists: every rank writes its shards, then rank 0 publishes."""
     final = folder / f"step-{step}"
     tmp = folder / f".step-{step}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    if is_main:
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
     with warnings.catch_warnings():  # single-process DCP warns that it assumes no process group
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(state, checkpoint_id=str(tmp))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    _write_pointer(folder, final.name)
-    if keep_last_k:
-        for old in checkpoints(folder)[:-keep_last_k]:
-            shutil.rmtree(old, ignore_errors=True)
+    _barrier()  # every rank's shards are on disk before the folder is published
+    if is_main:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _write_pointer(folder, final.name)
+        if keep_last_k:
+            for old in checkpoints(folder)[:-keep_last_k]:
+                shutil.rmtree(old, ignore_errors=True)
+    _barrier()
     return final
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def load(path: Path, state: dict[str, Any]) -> None:

@@ -2,8 +2,9 @@
 the embedded corpus, on CPU)."""
 
 import argparse
+import os
 
-from dstrain.cli.common import add_config_args, console
+from dstrain.cli.common import add_config_args, console, positive_int
 from dstrain.config.load import load_config
 from dstrain.config.preflight import preflight
 from dstrain.config.validate import raise_if_errors
@@ -15,8 +16,13 @@ A run directory that already holds a checkpoint resumes from it (checkpoint.resu
 --resume PATH resumes from a given checkpoint; --fresh starts from scratch (and refuses a run
 directory that already holds checkpoints, rather than mixing two runs in it).
 
+Several processes: --nproc N starts N local workers through torchrun's elastic agent; on a
+cluster run `torchrun --nnodes ... -m dstrain.train CONFIG [--set ...]` on every node instead.
+The layout comes from the parallel section; the world size from the launcher.
+
 examples:
   dstrain train                                   # debug model, embedded corpus, CPU
+  dstrain train --nproc 4 --set parallel.dp_shard=2 --set parallel.ep=2 --set parallel.zero_stage=2
   dstrain train run.toml --set train.steps=1000 --set run.name=longer
   dstrain train --set data.source=corpus.jsonl --set data.text_field=content
 """
@@ -32,6 +38,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_args(parser)
+    parser.add_argument(
+        "--nproc",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="local worker processes, started through torchrun's elastic agent (default 1)",
+    )
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--resume", metavar="PATH", help="resume from this checkpoint folder")
     group.add_argument(
@@ -47,7 +60,14 @@ def run(args: argparse.Namespace) -> int:
     if args.fresh:
         overrides.append("checkpoint.resume=never")
     loaded = load_config(args.config, overrides)
-    raise_if_errors(preflight(loaded, world_size=1))
+    worker = "LOCAL_RANK" in os.environ  # started by torchrun
+    world = int(os.environ.get("WORLD_SIZE", "1")) if worker else args.nproc
+    # The layout is checked before any process exists, with check's own rules.
+    raise_if_errors(preflight(loaded, world_size=world))
+    if args.nproc > 1 and not worker:
+        from dstrain.cli.launch import launch_local
+
+        return launch_local(args.nproc, _worker_argv(args, overrides))
     from dstrain.train.trainer import Trainer  # torch loads only once the config is known good
 
     trainer = Trainer(loaded.config)
@@ -59,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     summary = trainer.train()
+    if not trainer.world.is_main:
+        return 0
     console().print(
         f"done: {summary.steps} steps, loss {summary.final_loss:.4f}, "
         f"{summary.tokens_per_s:,.0f} tokens/s, MFU {100 * summary.mfu:.1f}%, "
@@ -66,3 +88,10 @@ def run(args: argparse.Namespace) -> int:
         markup=False,
     )
     return 0
+
+
+def _worker_argv(args: argparse.Namespace, overrides: list[str]) -> list[str]:
+    argv = [str(args.config)] if args.config else []
+    for override in overrides:
+        argv += ["--set", override]
+    return argv

@@ -1,24 +1,57 @@
 """parallelize_model: the one place that turns the single-device model into the one that trains.
 
-Fixed order (torchtitan's, for the reasons in each step): tensor parallelism first (it changes
-module shapes), expert parallelism (it replaces the experts' forward), activation checkpointing
-(it must wrap the already-sharded modules), torch.compile per block (it must see the final
-modules), and data parallelism / ZeRO last (FSDP shards whatever parameters the steps above
-left). The process-group steps (TP, EP, FSDP/DDP) arrive with the N-D parallel issue; on one
-process only AC and compile apply.
+Fixed order (torchtitan's), each step for a reason:
+1. tensor parallelism first: it changes module shapes and placements;
+2. expert parallelism: it replaces the experts' forward with dispatch/combine;
+3. activation checkpointing: it must wrap the already-sharded modules;
+4. torch.compile per block: it must see the final modules;
+5. data parallelism / ZeRO last: FSDP shards whatever parameters the steps above left, and DDP
+   wraps the finished model.
 """
 
 import torch
+from torch import nn
 
 from dstrain.config.schema import DstrainConfig
 from dstrain.model.transformer import Transformer
 from dstrain.parallel.activation_checkpoint import apply_ac
+from dstrain.parallel.data_parallel import apply_ddp, apply_fsdp
+from dstrain.parallel.mesh import Meshes
 
 
-def parallelize_model(model: Transformer, config: DstrainConfig) -> Transformer:
+def parallelize_model(
+    model: Transformer, config: DstrainConfig, meshes: Meshes | None = None
+) -> nn.Module:
+    """Apply every configured parallelism in order; returns the module to train (DDP wraps)."""
+    dims = meshes.dims if meshes is not None else None
+    if dims is not None and dims.tp > 1:
+        from dstrain.parallel.tensor_parallel import apply_tp
+
+        apply_tp(model, meshes["tp"], sequence_parallel=config.parallel.sequence_parallel)
+    if dims is not None and dims.ep > 1:
+        from dstrain.parallel.expert_parallel import apply_ep
+
+        apply_ep(model, meshes["ep"])
     apply_ac(model, mode=config.train.activation_checkpoint)
     if config.train.compile:
         apply_compile(model)
+    if dims is None or dims.dp == 1:
+        return model
+    return _apply_data_parallel(model, config, meshes)
+
+
+def _apply_data_parallel(model: Transformer, config: DstrainConfig, meshes: Meshes) -> nn.Module:
+    p, dims = config.parallel, meshes.dims
+    if p.zero_stage <= 1:
+        return apply_ddp(model, meshes["dp"], config.comm)
+    mesh = meshes.dense["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else meshes["dp_shard"]
+    apply_fsdp(
+        model,
+        mesh,
+        reshard_after_forward=p.zero_stage == 3,
+        param_dtype=torch.bfloat16 if config.train.precision == "bf16" else None,
+        offload=p.offload_optimizer or p.offload_params,
+    )
     return model
 
 

@@ -1,7 +1,9 @@
 """The optimizer: AdamW (or Adam, SGD) with no weight decay on norms and biases."""
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from dstrain.config.schema import OptimConfig
 
@@ -18,10 +20,20 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, zero1_group: dist.ProcessGroup | None = None
+) -> torch.optim.Optimizer:
+    """The optimizer; with `zero1_group`, ZeRO-1: each rank of that group keeps and steps the
+    states of its share of the parameters, then broadcasts the updated parameters."""
     groups = param_groups(model, cfg.weight_decay)
     if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.betas[0])
-    # foreach keeps the step one fused pass over all tensors on CPU and GPU alike.
-    kind = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
-    return kind(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=True)
+        kind, kwargs = torch.optim.SGD, dict(lr=cfg.lr, momentum=cfg.betas[0])
+    else:
+        kind = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
+        # foreach keeps the step one fused pass over all tensors on CPU and GPU alike.
+        kwargs = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=True)
+    if zero1_group is not None:
+        return ZeroRedundancyOptimizer(
+            groups, optimizer_class=kind, process_group=zero1_group, **kwargs
+        )
+    return kind(groups, **kwargs)

@@ -25,7 +25,7 @@ def log(message: str) -> None:
 
 
 class TrainProgress:
-    def __init__(self, total_steps: int, start_step: int) -> None:
+    def __init__(self, total_steps: int, start_step: int, enabled: bool = True) -> None:
         self.progress = Progress(
             TextColumn("step"),
             MofNCompleteColumn(),
@@ -35,7 +35,7 @@ class TrainProgress:
             TextColumn("eta"),
             TimeRemainingColumn(),
             console=_console,
-            disable=not _console.is_terminal,
+            disable=not (enabled and _console.is_terminal),
         )
         self.task = self.progress.add_task(
             "train", total=total_steps, completed=start_step, stats="starting"

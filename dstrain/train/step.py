@@ -1,12 +1,21 @@
 """One optimizer step: micro-batches forward/backward, loss scaling, clipping, the update, and the
 MoE balancing-bias update. Kept apart from the Trainer so a bare loop and the trainer can share
-(and a benchmark compare) exactly the same maths."""
+(and a benchmark compare) exactly the same maths.
+
+Across data-parallel ranks (`dp`): the target-token counts are summed first, so each rank's loss
+is its share of the global mean; DDP/FSDP average gradients over the dp ranks, so the backward
+loss is multiplied by dp to turn that average into the sum the global mean needs. The expert
+loads are summed before the balancing bias moves, so every rank (and a one-process run) routes
+the same way.
+"""
 
 import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dstrain.model.moe import MoE, Router
 from dstrain.train.loss import TokenCounts, loss_terms
@@ -17,12 +26,25 @@ from dstrain.train.loss_scale import LossScaler
 class StepResult:
     """Detached results of one step; `.item()` them only when logging (host sync on GPU)."""
 
-    loss: torch.Tensor
+    loss: torch.Tensor  # the global mean over every dp rank's tokens
     mtp_loss: torch.Tensor | None
     grad_norm: torch.Tensor
     skipped: bool
-    tokens: int
-    expert_load: dict[str, torch.Tensor]  # router name -> tokens per expert this step
+    tokens: int  # target tokens of the global batch
+    expert_load: dict[str, torch.Tensor]  # router name -> tokens per expert, global batch
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """The ranks that see different data. group None: one process."""
+
+    group: dist.ProcessGroup | None = None
+    size: int = 1
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.group is not None and self.size > 1:
+            dist.all_reduce(tensor, group=self.group)
+        return tensor
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -43,43 +65,77 @@ def train_step(
     mtp_weight: float,
     num_mtp: int,
     bias_update_speed: float,
+    dp: DataParallel = DataParallel(),
 ) -> StepResult:
     device = next(model.parameters()).device
-    labels = [mb[:, 1:] for mb in micro_batches]
-    counts = TokenCounts.of(labels, num_mtp)
-    _set_aux_scale(model, 1.0 / len(micro_batches))
+    labels = [mb[:, 1:].to(device) for mb in micro_batches]
+    counts = _global_counts(labels, num_mtp, dp)
+    # The balance loss enters backward on its own (AddAuxiliaryLoss): loss-scaled like the main
+    # loss, averaged over micro-batches, and (unlike the main loss) averaged over dp by DDP/FSDP.
+    _set_aux_scale(model, scaler.loss_multiplier() / len(micro_batches))
     loss = torch.zeros((), device=device)
     mtp_loss = torch.zeros((), device=device) if num_mtp else None
-    for mb, lab in zip(micro_batches, labels, strict=True):
-        with autocast(precision, device):
+    for i, (mb, lab) in enumerate(zip(micro_batches, labels, strict=True)):
+        with _no_sync(model, last=i == len(micro_batches) - 1), autocast(precision, device):
             outputs = model(mb[:, :-1].to(device))
-        total, parts = loss_terms(outputs, lab.to(device), counts, mtp_weight)
-        (total * scaler.loss_multiplier()).backward()
+        total, parts = loss_terms(outputs, lab, counts, mtp_weight)
+        (total * (scaler.loss_multiplier() * dp.size)).backward()
         loss = loss + parts["main"]
         if mtp_loss is not None:
             mtp_loss = mtp_loss + parts["mtp"]
     params = [p for p in model.parameters() if p.grad is not None]
     finite = scaler.unscale_and_check(params)
-    max_norm = grad_clip if grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+    grad_norm = clip_grad_norm(params, grad_clip)
     if finite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    load = update_balancing_bias(model, bias_update_speed)
-    return StepResult(loss, mtp_loss, grad_norm.detach(), not finite, counts.per_depth[0], load)
+    load = update_balancing_bias(model, bias_update_speed, dp)
+    loss = dp.sum(loss.detach())
+    mtp_loss = dp.sum(mtp_loss.detach()) if mtp_loss is not None else None
+    return StepResult(loss, mtp_loss, grad_norm, not finite, counts.per_depth[0], load)
 
 
-def update_balancing_bias(model: nn.Module, speed: float) -> dict[str, torch.Tensor]:
-    """Aux-loss-free balancing: each router learns from the load it saw this step, then its
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """The global gradient norm (over shards too: FSDP's DTensor gradients), clipped to max_norm
+    when max_norm > 0. Returns the norm before clipping."""
+    grads = [p.grad for p in params]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()  # all-reduce of the per-shard squares
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total.detach()
+
+
+def update_balancing_bias(
+    model: nn.Module, speed: float, dp: DataParallel = DataParallel()
+) -> dict[str, torch.Tensor]:
+    """Aux-loss-free balancing: each router learns from the load of the global batch, then its
     counter resets. Returns the loads, for the moe/* metrics."""
     loads = {}
     for name, router in model.named_modules():
         if isinstance(router, Router):
-            loads[name] = router.tokens_per_expert.clone()
+            load = dp.sum(router.tokens_per_expert.clone())
+            loads[name] = load
             if speed > 0:
-                router.update_bias(router.tokens_per_expert, speed)
+                router.update_bias(load, speed)
             router.tokens_per_expert.zero_()
     return loads
+
+
+def _global_counts(labels: list[torch.Tensor], num_mtp: int, dp: DataParallel) -> TokenCounts:
+    local = TokenCounts.of(labels, num_mtp)
+    if dp.size == 1:
+        return local
+    summed = dp.sum(torch.tensor(local.per_depth, dtype=torch.int64, device=labels[0].device))
+    return TokenCounts(tuple(int(n) for n in summed.tolist()))  # host sync: counts are divisors
+
+
+def _no_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+    """DDP: all-reduce gradients once, after the last micro-batch, not after every one."""
+    if not last and hasattr(model, "no_sync"):
+        return model.no_sync()
+    return contextlib.nullcontext()
 
 
 def _set_aux_scale(model: nn.Module, scale: float) -> None:

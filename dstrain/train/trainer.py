@@ -1,6 +1,6 @@
 """The Trainer: builds everything a run needs (in the order below), then runs the loop.
 
-One process for now; the N-D parallel issue adds the process groups and meshes to `_build_*`.
+Every rank builds the same objects; only rank 0 writes metrics, logs and the progress bar.
 """
 
 import json
@@ -18,6 +18,7 @@ from dstrain.checkpoint import store
 from dstrain.config.batch import BatchPlan, resolve_batch
 from dstrain.config.flavors import resolve_model_args
 from dstrain.config.load import to_toml
+from dstrain.config.parallel_dims import ParallelDims
 from dstrain.config.schema import DstrainConfig
 from dstrain.config.validate import raise_if_errors
 from dstrain.data.build import build_dataset
@@ -27,12 +28,14 @@ from dstrain.metrics.peak import peak_flops
 from dstrain.metrics.sinks import JsonlSink, Sink, TensorBoardSink
 from dstrain.model.flops import param_counts, training_flops_per_token
 from dstrain.model.transformer import build_model
+from dstrain.parallel.distributed import init_distributed
+from dstrain.parallel.mesh import build_meshes
 from dstrain.parallel.parallelize import parallelize_model
 from dstrain.train.loss_scale import LossScaler
 from dstrain.train.lr import build_scheduler
 from dstrain.train.optim import build_optimizer
 from dstrain.train.progress import TrainProgress, log
-from dstrain.train.step import StepResult, train_step
+from dstrain.train.step import DataParallel, StepResult, train_step
 
 
 @dataclass
@@ -48,16 +51,20 @@ class RunSummary:
 class Trainer:
     def __init__(self, config: DstrainConfig) -> None:
         self.config = config
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.world = init_distributed(config.comm)
+        self.device = self.world.device
         self.run_dir = config.run.root / config.run.name
         self._build_determinism()
         self.model_args = resolve_model_args(config.model)
+        self.dims = self._build_dims()
+        self.meshes = build_meshes(self.dims, self.device.type) if self.world.backend else None
+        self.dp = self._build_data_parallel()
         self.batch = self._build_batch()
         self.tokenizer, self.dataset = build_dataset(
             config.data, vocab_size=self.model_args.vocab_size, seq_len=config.train.seq_len
         )
         self.model = self._build_model()
-        self.optimizer = build_optimizer(self.model, config.optim)
+        self.optimizer = build_optimizer(self.model, config.optim, zero1_group=self._zero1_group())
         self.scheduler = build_scheduler(self.optimizer, config.lr, config.train.steps)
         self.scaler = LossScaler(config.train.loss_scale, config.train.precision == "fp16")
         self.loader = self._build_loader()
@@ -76,30 +83,66 @@ class Trainer:
             # warn_only: an op without a deterministic kernel warns instead of killing the run.
             torch.use_deterministic_algorithms(True, warn_only=True)
 
+    def _build_dims(self) -> ParallelDims:
+        p = self.config.parallel
+        dims = ParallelDims.resolve(
+            dp_replicate=p.dp_replicate,
+            dp_shard=p.dp_shard,
+            cp=p.cp,
+            tp=p.tp,
+            pp=p.pp,
+            ep=p.ep,
+            world_size=self.world.world_size,
+        )
+        raise_if_errors(dims.validate())
+        if p.zero_stage == 1 and dims.dp > 1 and self.config.checkpoint.enable:
+            raise UserError(
+                "checkpoints of ZeRO-1 (ZeroRedundancyOptimizer) runs are not supported yet",
+                "use parallel.zero_stage = 2 (FSDP2 also shards the optimizer states), or "
+                "checkpoint.enable = false",
+                exit_code=1,
+            )
+        return dims
+
+    def _build_data_parallel(self) -> DataParallel:
+        if self.meshes is None or self.dims.dp == 1:
+            return DataParallel()
+        return DataParallel(self.meshes["dp"].get_group(), self.dims.dp)
+
+    def _zero1_group(self):
+        if self.config.parallel.zero_stage == 1 and self.dp.size > 1:
+            return self.dp.group
+        return None
+
     def _build_batch(self) -> BatchPlan:
         t = self.config.train
         plan, findings = resolve_batch(
-            t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, 1
+            t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, self.dims.dp
         )
         raise_if_errors(findings)
         assert plan is not None
         return plan
 
     def _build_model(self) -> torch.nn.Module:
+        # Every rank materializes the full model from the same seed, then shards it: identical
+        # initial weights to a one-process run (parity), at the cost of one full copy per rank.
         model = build_model(self.model_args, self.device)
-        return parallelize_model(model, self.config)
+        return parallelize_model(model, self.config, self.meshes)
 
     def _build_loader(self) -> DataLoader:
+        dp_rank = self.meshes["dp"].get_local_rank() if self.dp.size > 1 else 0
         return DataLoader(
             self.dataset,
             global_batch_size=self.batch.global_batch_size,
             micro_batch_size=self.batch.micro_batch_size,
-            dp_rank=0,
-            dp_size=1,
+            dp_rank=dp_rank,
+            dp_size=self.dims.dp,
             seed=self.config.train.seed,
         )
 
     def _build_sinks(self) -> list[Sink]:
+        if not self.world.is_main:
+            return []
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(to_toml(self.config))
         metrics = self.run_dir / "metrics.jsonl"
@@ -132,7 +175,11 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         ckpt = self.config.checkpoint
         return store.save(
-            self.run_dir / "checkpoints", self.step, self.state(), keep_last_k=ckpt.keep_last_k
+            self.run_dir / "checkpoints",
+            self.step,
+            self.state(),
+            keep_last_k=ckpt.keep_last_k,
+            is_main=self.world.is_main,
         )
 
     def _resume(self) -> None:
@@ -154,7 +201,8 @@ class Trainer:
         self.loader.load_state_dict(train["loader"])
         self.scaler.load_state_dict(train["scaler"])
         torch.set_rng_state(train["rng"])
-        log(f"resumed from {path} at step {self.step}")
+        if self.world.is_main:
+            log(f"resumed from {path} at step {self.step}")
 
     def _resume_path(self) -> Path | None:
         how = self.config.checkpoint.resume
@@ -179,7 +227,7 @@ class Trainer:
         start, started = self.step, time.perf_counter()
         window = _Window()
         last: StepResult | None = None
-        with TrainProgress(cfg.train.steps, self.step) as progress:
+        with TrainProgress(cfg.train.steps, self.step, enabled=self.world.is_main) as progress:
             while self.step < cfg.train.steps:
                 window.start()
                 last = self._one_step()
@@ -189,7 +237,8 @@ class Trainer:
                     metrics = self._metrics(last, window)
                     for sink in self.sinks:
                         sink.write(self.step, metrics)
-                    progress.report(self.step, metrics)
+                    if self.world.is_main:
+                        progress.report(self.step, metrics)
                     window.reset()
                 if cfg.checkpoint.enable and self.step % cfg.checkpoint.interval == 0:
                     self.save_checkpoint()
@@ -210,6 +259,7 @@ class Trainer:
             mtp_weight=args.mtp_loss_weight,
             num_mtp=args.num_mtp_modules,
             bias_update_speed=args.bias_update_speed,
+            dp=self.dp,
         )
         if not result.skipped:
             self.scheduler.step()
@@ -218,11 +268,13 @@ class Trainer:
 
     def _metrics(self, result: StepResult, window: "_Window") -> dict[str, float]:
         tokens_per_s = window.tokens / max(window.seconds, 1e-9)
+        per_device = tokens_per_s / self.world.world_size
         metrics = {
             "loss/main": result.loss.item(),
             "optim/lr": self.optimizer.param_groups[0]["lr"],
             "optim/grad_norm": result.grad_norm.item(),
             "throughput/tokens_per_s": tokens_per_s,
+            "throughput/tokens_per_s_per_device": per_device,
             "time/step_s": window.seconds / max(window.steps, 1),
             "memory/rss_mb": _peak_rss_mb(),
         }
@@ -231,7 +283,7 @@ class Trainer:
         if self.scaler.enabled:
             metrics["optim/loss_scale"] = self.scaler.scale
         if self.peak:
-            metrics["throughput/mfu"] = tokens_per_s * self.flops_per_token / self.peak
+            metrics["throughput/mfu"] = per_device * self.flops_per_token / self.peak
         for name, load in result.expert_load.items():
             if load.sum() > 0:
                 metrics[f"moe/{name}/max_over_mean"] = (load.max() / load.mean()).item()
@@ -245,16 +297,24 @@ class Trainer:
             steps=self.step,
             final_loss=last.loss.item() if last is not None else float("nan"),
             tokens_per_s=tokens_per_s,
-            mfu=tokens_per_s * self.flops_per_token / self.peak if self.peak else 0.0,
+            mfu=(
+                tokens_per_s * self.flops_per_token / (self.peak * self.world.world_size)
+                if self.peak
+                else 0.0
+            ),
             peak_rss_mb=_peak_rss_mb(),
             wall_s=wall,
         )
-        (self.run_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2) + "\n")
+        if self.world.is_main:
+            summary_path = self.run_dir / "summary.json"
+            summary_path.write_text(json.dumps(summary.__dict__, indent=2) + "\n")
         for sink in self.sinks:
             sink.close()
         return summary
 
     def _log_start(self) -> None:
+        if not self.world.is_main:
+            return
         counts = param_counts(self.model_args)
         log(f"run directory {self.run_dir} (resolved config in config.toml)")
         log(
@@ -262,7 +322,8 @@ class Trainer:
             f"{counts.activated / 1e6:.2f}M activated per token"
         )
         log(
-            f"layout: 1 process on {self.device.type}; {self.batch.describe()}, "
+            f"layout: {self.dims.describe()} on {self.device.type} "
+            f"({self.world.backend or 'no process group'}); {self.batch.describe()}, "
             f"seq_len {self.config.train.seq_len}"
         )
         log(

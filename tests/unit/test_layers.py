@@ -32,6 +32,8 @@ NO_TORCH_DISTRIBUTED = NO_TORCH | {"model", "data"}
 def _modules():
     for path in sorted(PACKAGE.rglob("*.py")):
         top = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+        if path.name == "__main__.py":
+            top = "__main__"  # entry points (`python -m dstrain.train`) sit above every layer
         yield path, top, ast.parse(path.read_text())
 
 

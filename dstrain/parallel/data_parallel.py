@@ -1,0 +1,94 @@
+"""Data parallelism and ZeRO on the `dp` axes.
+
+| zero_stage | what | upstream piece |
+|---|---|---|
+| 0 | plain DDP: gradients all-reduced in backward | `DistributedDataParallel` |
+| 1 | DDP + optimizer states sharded over dp | `ZeroRedundancyOptimizer` (see optim) |
+| 2 | FSDP2, parameters kept unsharded after forward | `fully_shard(reshard_after_forward=False)` |
+| 3 | FSDP2, parameters resharded after forward | `fully_shard(reshard_after_forward=True)` |
+
+FSDP2 shards each transformer block (all-gather parameters in forward and again in backward for
+stage 3, reduce-scatter gradients in backward) and then the root (embedding, norm, head). With
+dp_replicate > 1 the mesh is 2-D (replicate, shard): HSDP, gradients reduce-scattered within a
+shard group and all-reduced across replicas. Optimizer offload is FSDP2's `CPUOffloadPolicy`.
+"""
+
+import inspect
+
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from dstrain.config.schema import CommConfig
+from dstrain.model.transformer import Transformer
+
+
+def apply_fsdp(
+    model: Transformer,
+    mesh: DeviceMesh,
+    *,
+    reshard_after_forward: bool,
+    param_dtype: torch.dtype | None,
+    offload: bool,
+) -> None:
+    """FSDP2 per block, then the root. `mesh` is 1-D (shard) or 2-D (replicate, shard)."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # pin_memory needs an accelerator; on CPU hosts offload keeps pageable memory.
+    offload_policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else None
+    kwargs = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    if offload_policy is not None:
+        kwargs["offload_policy"] = offload_policy
+    for block in _blocks(model):
+        fully_shard(block, **kwargs)
+    # The root's parameters (embedding, final norm, head) are used last in forward and first in
+    # backward: keeping them unsharded after forward saves one all-gather per step.
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, comm: CommConfig) -> DistributedDataParallel:
+    """Plain DDP over `mesh` (1-D, every data-parallel rank), with an optional compression hook."""
+    ddp = DistributedDataParallel(
+        model,
+        process_group=mesh.get_group(),
+        device_ids=[torch.cuda.current_device()] if torch.cuda.is_available() else None,
+        **_NO_BUFFER_SYNC,
+    )
+    _register_compression(ddp, mesh, comm)
+    return ddp
+
+
+# Buffers (MoE biases) are updated identically on every rank from all-reduced loads; torch 2.13
+# renamed the switch.
+_NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
+
+
+def _register_compression(ddp: DistributedDataParallel, mesh: DeviceMesh, comm: CommConfig) -> None:
+    group = mesh.get_group()
+    if comm.compression == "bf16":
+        ddp.register_comm_hook(group, default_hooks.bf16_compress_hook)
+    elif comm.compression == "fp16":
+        ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
+    elif comm.compression == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=group,
+            matrix_approximation_rank=comm.powersgd_rank,
+            start_powerSGD_iter=comm.powersgd_start_iter,  # > 1: error feedback needs warm-up
+            use_error_feedback=True,
+            warm_start=True,
+        )
+        # The per-tensor hook: batched_powerSGD_hook asserts on 2-D input in torch 2.13.
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
+def _blocks(model: Transformer) -> list[nn.Module]:
+    blocks = list(model.layers.values())
+    if model.mtp is not None:
+        blocks += [module.block for module in model.mtp.values()]
+    return blocks

@@ -1,0 +1,101 @@
+"""Parity of the data-parallel layouts against one process: DDP, ZeRO-1/2/3, CPU offload, HSDP.
+
+Every layout trains the debug flavor for 8 steps from the same weights on the same global batch
+(16 sequences: 4 micro-batches of 4 on one process, 2 of 4 on each of 2 ranks). Per-step losses
+must match the one-process run within 1e-5 relative, and the final weights too.
+"""
+
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from dstrain.config.load import load_config
+from dstrain.train.trainer import Trainer
+from tests.distributed.harness import run_ranks
+
+pytestmark = pytest.mark.slow
+
+STEPS = 8
+LOSS_RTOL = 1e-6  # the issue asks 1e-5; measured 6.4e-8
+# Final weights after 8 AdamW steps (measured 4.8e-7): Adam's update ~ lr * g / (|g| + eps)
+# turns the ~1e-7 relative differences of summing gradients in another order into larger ones
+# for entries whose gradient is near eps.
+WEIGHT_ATOL = 2e-6
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dp")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for source in sorted((stdlib / "json").glob("*.py")) + sorted((stdlib / "email").glob("*.py")):
+        (corpus / f"{source.parent.name}_{source.stem}.txt").write_text(source.read_text())
+    common = [
+        f"data.source={corpus}",
+        f"data.cache_dir={root / 'cache'}",
+        f"run.root={root / 'runs'}",
+        f"train.steps={STEPS}",
+        "train.seq_len=32",
+        "train.micro_batch_size=4",
+        "train.global_batch_size=16",
+        "lr.warmup_steps=2",
+        "metrics.log_interval=1",
+        "metrics.tensorboard=false",
+        "checkpoint.enable=false",
+    ]
+    reference = Trainer(load_config(None, [*common, "run.name=reference"]).config)
+    reference.train()
+    return root, common, reference.model.state_dict()
+
+
+def _losses(root: Path, name: str) -> list[float]:
+    lines = (root / "runs" / name / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss/main"] for line in lines]
+
+
+def _check(root: Path, name: str, reference_weights: dict) -> None:
+    expected, got = _losses(root, "reference"), _losses(root, name)
+    assert len(got) == STEPS
+    for step, (a, b) in enumerate(zip(expected, got, strict=True), start=1):
+        assert abs(a - b) <= LOSS_RTOL * abs(a), (name, step, a, b)
+    weights = torch.load(root / f"{name}.pt")
+    assert weights.keys() == reference_weights.keys(), name
+    worst = max((weights[k] - reference_weights[k]).abs().max().item() for k in weights)
+    assert worst < WEIGHT_ATOL, (name, worst)
+    rel = max(abs(a - b) / abs(a) for a, b in zip(expected, got, strict=True))
+    print(f"parity {name}: max loss rel diff {rel:.1e}, max weight diff {worst:.1e}")
+
+
+TWO_RANKS = {
+    "ddp": ["parallel.dp_shard=2", "parallel.zero_stage=0"],
+    "zero1": ["parallel.dp_shard=2", "parallel.zero_stage=1"],
+    "zero2": ["parallel.dp_shard=2", "parallel.zero_stage=2"],
+    "zero3": ["parallel.dp_shard=2", "parallel.zero_stage=3"],
+    "zero3_offload": [
+        "parallel.dp_shard=2",
+        "parallel.zero_stage=3",
+        "parallel.offload_optimizer=true",
+        "parallel.offload_params=true",
+    ],
+}
+
+
+def test_two_rank_layouts_match_one_process(setup):
+    root, common, reference = setup
+    spec = {"common": common, "layouts": TWO_RANKS}
+    run_ranks(2, "train_layouts", root, json.dumps(spec), timeout=600)
+    for name in TWO_RANKS:
+        _check(root, name, reference)
+
+
+def test_hsdp_2x2_matches_one_process(setup):
+    root, common, reference = setup
+    layouts = {"hsdp": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero_stage=3"]}
+    run_ranks(
+        4, "train_layouts", root, json.dumps({"common": common, "layouts": layouts}), timeout=600
+    )
+    _check(root, "hsdp", reference)
