@@ -21,7 +21,6 @@ PENDING = (
     ("deploy", "render Docker, Kubernetes or Slurm launch files", "the cluster-tooling issue"),
     ("schedule", "simulate and draw a pipeline schedule", "the pipeline issue"),
     ("report", "plot a run: loss, MFU, comm share, bubble, expert load", "the observability issue"),
-    ("loss-compare", "compare two runs' per-step losses", "the N-D parallel issue"),
 )
 
 

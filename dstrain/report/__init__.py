@@ -1,0 +1,1 @@
+"""What happened in a run: comparisons, plots and the HTML report."""
