@@ -23,6 +23,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.nn.parallel import DistributedDataParallel
 
 from dstrain.config.schema import CommConfig
+from dstrain.errors import UserError
 from dstrain.model.transformer import Transformer
 
 
@@ -54,6 +55,10 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, comm: CommConfig) -> Distribut
         model,
         process_group=mesh.get_group(),
         device_ids=[torch.cuda.current_device()] if torch.cuda.is_available() else None,
+        # PowerSGD chains several collectives per bucket inside future callbacks; with more
+        # than one bucket in flight, gloo ranks can issue them in different orders ("Received
+        # data size doesn't match expected size"). One bucket keeps them in order.
+        bucket_cap_mb=10_000 if comm.compression == "powersgd" else 25,
         **_NO_BUFFER_SYNC,
     )
     _register_compression(ddp, mesh, comm)
@@ -72,6 +77,12 @@ _NO_BUFFER_SYNC = (
 def _register_compression(ddp: DistributedDataParallel, mesh: DeviceMesh, comm: CommConfig) -> None:
     group = mesh.get_group()
     if comm.compression == "bf16":
+        if not torch.cuda.is_available():
+            raise UserError(
+                "comm.compression = bf16 needs NCCL on CUDA GPUs (upstream's bf16 hook)",
+                "use comm.compression = fp16 on CPU hosts",
+                exit_code=1,
+            )
         ddp.register_comm_hook(group, default_hooks.bf16_compress_hook)
     elif comm.compression == "fp16":
         ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)

@@ -1,0 +1,118 @@
+"""Expert parallelism: the routed experts of every MoE split over the `ep` ranks, tokens sent to
+the rank that holds their expert and back.
+
+Legend: T token copies this rank routed (tokens x K), D dim, F expert width, E routed experts,
+W ep ranks, L = E / W experts per rank, R token copies this rank receives.
+
+Who holds what: ep rank r holds the contiguous block of experts [r*L, (r+1)*L) of every MoE
+(main layers and MTP blocks). The router, its balancing bias and its load counters stay
+replicated: every rank routes its own tokens with the full router, and the shared experts are
+dense parameters like any other.
+
+Who receives what: the MoE hands its experts the token copies sorted by global expert id, with
+counts over all E experts. Dispatch sends rank i the rows for rank i's experts; they arrive
+grouped by source rank, then by local expert, and are re-sorted by local expert for one grouped
+matmul. Combine undoes the re-sort and returns every row to the rank it came from, in its
+original position, so the MoE sees exactly what the unsharded experts would have returned.
+
+Collectives, at the autograd boundary: all-to-all in forward, all-to-all in backward. Forward
+runs an all-to-all of the per-(rank, expert) counts (no gradient), then the rows' dispatch and
+combine all-to-alls with uneven splits (`all_to_all_single_autograd`); backward runs each of the
+two row all-to-alls with its splits swapped. The backward of dispatch is what sums rank r's
+expert weight gradients over all ep ranks' tokens: nothing else is reduced for the experts over
+ep. Data-parallel reduction of the dense parameters (and of expert weights over `efsdp`) is the
+data-parallel wrapper's job.
+
+Weights are DTensors `Shard(0)` on the ep mesh (each rank stores only its L experts' local
+shards), not plain local tensors, because that is what composes: the state dict keeps the global
+[E, F, D] shapes under the unchanged names, so DCP saves every shard (plain same-named tensors
+would be deduplicated as replicas) and reshards across ep degrees, the HF key map still sees E
+experts after `full_tensor()`, and FSDP2 on the `efsdp` mesh (a sibling of `ep` under one root)
+shards them as a 2-D (efsdp, ep) parameter, as torchtitan does.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._functional_collectives import (
+    all_to_all_single,
+    all_to_all_single_autograd,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from dstrain.model.moe import MoE, _grouped_matmul
+from dstrain.model.transformer import Transformer
+
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
+
+
+def apply_ep(model: Transformer | MoE, ep_mesh: DeviceMesh) -> None:
+    """Split the routed experts of every MoE in `model` (main layers and MTP blocks; or one MoE)
+    over the 1-D `ep_mesh`, in place: ep rank r keeps experts [r*E/ep, (r+1)*E/ep) as DTensor
+    `Shard(0)` shards of w1, w2, w3 (same names, global shapes), and the experts' forward becomes
+    dispatch -> local grouped matmuls -> combine. Works on a `meta` model (materialize after).
+
+    The full weights must be identical on every ep rank (same seed or checkpoint): each rank
+    slices its block locally, without communication. A no-op when ep is 1."""
+    if ep_mesh.ndim != 1:
+        raise ValueError(f"apply_ep needs a 1-D ep mesh, got {ep_mesh.ndim}-D: pass meshes['ep']")
+    if ep_mesh.size() == 1:
+        return
+    for moe in [m for m in model.modules() if isinstance(m, MoE)]:
+        if moe.num_experts % ep_mesh.size() != 0:
+            raise ValueError(
+                f"ep={ep_mesh.size()} must divide num_routed_experts={moe.num_experts}: every "
+                f"rank holds the same number of experts; choose ep among the divisors of "
+                f"{moe.num_experts}"
+            )
+        moe.experts = ExpertParallelExperts(moe.experts, ep_mesh)
+
+
+class ExpertParallelExperts(nn.Module):
+    """The E grouped SwiGLU experts of `GroupedExperts`, L of them on this rank; same contract:
+    forward(x sorted by global expert [T, D], counts over all E experts) -> [T, D], same order."""
+
+    def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.ep_mesh = ep_mesh
+        self.num_experts = experts.w1.size(0)
+        self.num_local_experts = self.num_experts // ep_mesh.size()
+        first = ep_mesh.get_local_rank() * self.num_local_experts
+        for name in EXPERT_WEIGHTS:
+            full = getattr(experts, name)
+            # clone: a view would keep the full [E, ...] storage alive on every rank.
+            local = full.detach()[first : first + self.num_local_experts].clone()
+            shard = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            self.register_parameter(name, nn.Parameter(shard, requires_grad=full.requires_grad))
+
+    def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        group = self.ep_mesh.get_group()
+        W, L = self.ep_mesh.size(), self.num_local_experts
+        # recv_WL[i, l]: rows rank i sends to my local expert l (even splits of L counts).
+        recv_WL = all_to_all_single(counts_E, None, None, group).view(W, L)
+        # Host-device sync: the all-to-all split sizes must be Python ints (one .tolist()).
+        send_W, recv_W = torch.stack([counts_E.view(W, L).sum(1), recv_WL.sum(1)]).tolist()
+        x_RD = all_to_all_single_autograd(x_TD, recv_W, send_W, group)
+        order_R, inverse_R = _by_local_expert(recv_WL, sum(recv_W))
+        y_RD = self._local_experts(x_RD[order_R], recv_WL.sum(0))[inverse_R]
+        return all_to_all_single_autograd(y_RD, send_W, recv_W, group)
+
+    def _local_experts(self, x_RD: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+        # GroupedExperts.forward on the local shards.
+        w1_LFD, w2_LDF, w3_LFD = (getattr(self, n).to_local() for n in EXPERT_WEIGHTS)
+        gate_RF = _grouped_matmul(x_RD, w1_LFD, counts_L)
+        up_RF = _grouped_matmul(x_RD, w3_LFD, counts_L)
+        return _grouped_matmul(F.silu(gate_RF) * up_RF, w2_LDF, counts_L)
+
+
+def _by_local_expert(recv_WL: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The permutation that re-sorts received rows (by source rank, then expert) by local expert,
+    stably so each expert keeps the source-rank order, and its inverse."""
+    W, L = recv_WL.shape
+    expert_WL = torch.arange(L, device=recv_WL.device).repeat(W)
+    expert_R = expert_WL.repeat_interleave(recv_WL.flatten(), output_size=num_rows)
+    order_R = expert_R.argsort(stable=True)
+    inverse_R = torch.empty_like(order_R)
+    inverse_R[order_R] = torch.arange(num_rows, device=order_R.device)
+    return order_R, inverse_R
