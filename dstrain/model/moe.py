@@ -92,9 +92,20 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """x sorted by expert, counts_E[e] rows for expert e (zero allowed)."""
-        gate_TF = _grouped_matmul(x_TD, self.w1, counts_E)
-        up_TF = _grouped_matmul(x_TD, self.w3, counts_E)
-        return _grouped_matmul(F.silu(gate_TF) * up_TF, self.w2, counts_E)
+        return grouped_swiglu(x_TD, self.w1, self.w2, self.w3, counts_E)
+
+
+def grouped_swiglu(
+    x_TD: torch.Tensor,
+    w1_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    w3_EFD: torch.Tensor,
+    counts_E: torch.Tensor,
+) -> torch.Tensor:
+    """SwiGLU of every expert on its rows of x (sorted by expert): w2(silu(w1 x) * w3 x)."""
+    gate_TF = _grouped_matmul(x_TD, w1_EFD, counts_E)
+    up_TF = _grouped_matmul(x_TD, w3_EFD, counts_E)
+    return _grouped_matmul(F.silu(gate_TF) * up_TF, w2_EDF, counts_E)
 
 
 def _grouped_matmul(

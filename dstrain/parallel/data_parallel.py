@@ -34,12 +34,19 @@ def apply_fsdp(
     reshard_after_forward: bool,
     param_dtype: torch.dtype | None,
     offload: bool,
+    ignored: set[nn.Parameter] | None = None,
 ) -> None:
-    """FSDP2 per block, then the root. `mesh` is 1-D (shard) or 2-D (replicate, shard)."""
+    """FSDP2 per block, then the root. `mesh` is 1-D (shard) or 2-D (replicate, shard).
+    `ignored` parameters (expert-parallel experts) stay as they are."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     # pin_memory needs an accelerator; on CPU hosts offload keeps pageable memory.
     offload_policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else None
-    kwargs = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    kwargs = dict(
+        mesh=mesh,
+        mp_policy=policy,
+        reshard_after_forward=reshard_after_forward,
+        ignored_params=ignored or None,
+    )
     if offload_policy is not None:
         kwargs["offload_policy"] = offload_policy
     for block in _blocks(model):
@@ -49,8 +56,13 @@ def apply_fsdp(
     fully_shard(model, **{**kwargs, "reshard_after_forward": False})
 
 
-def apply_ddp(model: nn.Module, mesh: DeviceMesh, comm: CommConfig) -> DistributedDataParallel:
-    """Plain DDP over `mesh` (1-D, every data-parallel rank), with an optional compression hook."""
+def apply_ddp(
+    model: nn.Module, mesh: DeviceMesh, comm: CommConfig, ignored: list[str] | None = None
+) -> DistributedDataParallel:
+    """Plain DDP over `mesh` (1-D, every data-parallel rank), with an optional compression hook.
+    `ignored` parameter names (expert-parallel experts) are left out of its all-reduce."""
+    if ignored:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     ddp = DistributedDataParallel(
         model,
         process_group=mesh.get_group(),

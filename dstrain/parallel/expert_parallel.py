@@ -32,7 +32,7 @@ shards them as a 2-D (efsdp, ep) parameter, as torchtitan does.
 """
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import (
     all_to_all_single,
@@ -41,7 +41,7 @@ from torch.distributed._functional_collectives import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from dstrain.model.moe import MoE, _grouped_matmul
+from dstrain.model.moe import MoE, grouped_swiglu
 from dstrain.model.transformer import Transformer
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
@@ -101,9 +101,7 @@ class ExpertParallelExperts(nn.Module):
     def _local_experts(self, x_RD: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
         # GroupedExperts.forward on the local shards.
         w1_LFD, w2_LDF, w3_LFD = (getattr(self, n).to_local() for n in EXPERT_WEIGHTS)
-        gate_RF = _grouped_matmul(x_RD, w1_LFD, counts_L)
-        up_RF = _grouped_matmul(x_RD, w3_LFD, counts_L)
-        return _grouped_matmul(F.silu(gate_RF) * up_RF, w2_LDF, counts_L)
+        return grouped_swiglu(x_RD, w1_LFD, w2_LDF, w3_LFD, counts_L)
 
 
 def _by_local_expert(recv_WL: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,3 +114,27 @@ def _by_local_expert(recv_WL: torch.Tensor, num_rows: int) -> tuple[torch.Tensor
     inverse_R = torch.empty_like(order_R)
     inverse_R[order_R] = torch.arange(num_rows, device=order_R.device)
     return order_R, inverse_R
+
+
+def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of the expert-parallel experts' weights, if any."""
+    return [
+        (f"{name}.{pname}", param)
+        for name, module in model.named_modules()
+        if isinstance(module, ExpertParallelExperts)
+        for pname, param in module.named_parameters()
+    ]
+
+
+def reduce_expert_grads(model: nn.Module, group: dist.ProcessGroup | None, scale: float) -> None:
+    """Finish the experts' gradients, which DDP/FSDP leave alone: sum them over the ranks that
+    hold the same experts (`group`: dp_replicate x efsdp; the backward all-to-all already summed
+    over the ep group) and `scale` them (1 / (dp x tp): the loss was multiplied by dp for the
+    dense average, and tensor-parallel ranks route identical copies of each token)."""
+    for _, param in expert_parameters(model):
+        if param.grad is None:
+            continue
+        local = param.grad.to_local()
+        if group is not None:
+            dist.all_reduce(local, group=group)
+        local.mul_(scale)

@@ -8,8 +8,9 @@ tensor-parallel group is consecutive ranks (on one node). The same world is view
     sparse (pp, dp_replicate, efsdp, ep)          routed experts
 
 `ep` takes the innermost ep ranks of the dp_shard x cp x tp block (the folding rule of
-`ParallelDims`); each expert is ZeRO-sharded over the remaining `efsdp` ranks. Named views:
-`dp` (replicate x shard: ranks with different data), `dp_shard_cp` (FSDP's shard axis).
+`ParallelDims`); the remaining `efsdp` ranks (times dp_replicate: `edp`) hold the same experts.
+Named views: `dp` (replicate x shard: ranks with different data), `dp_shard_cp` (FSDP's shard
+axis), `edp` (ranks holding the same experts).
 """
 
 from dataclasses import dataclass
@@ -47,5 +48,7 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
     flat = {
         "dp": dense["dp_replicate", "dp_shard"]._flatten("dp"),
         "dp_shard_cp": dense["dp_shard", "cp"]._flatten("dp_shard_cp"),
+        # Ranks holding the same experts: their expert gradients are summed over this.
+        "edp": sparse["dp_replicate", "efsdp"]._flatten("edp"),
     }
     return Meshes(dims, dense, sparse, flat)

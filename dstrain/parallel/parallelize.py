@@ -16,7 +16,9 @@ from dstrain.config.schema import DstrainConfig
 from dstrain.model.transformer import Transformer
 from dstrain.parallel.activation_checkpoint import apply_ac
 from dstrain.parallel.data_parallel import apply_ddp, apply_fsdp
+from dstrain.parallel.expert_parallel import apply_ep, expert_parameters
 from dstrain.parallel.mesh import Meshes
+from dstrain.parallel.tensor_parallel import apply_tp
 
 
 def parallelize_model(
@@ -25,12 +27,8 @@ def parallelize_model(
     """Apply every configured parallelism in order; returns the module to train (DDP wraps)."""
     dims = meshes.dims if meshes is not None else None
     if dims is not None and dims.tp > 1:
-        from dstrain.parallel.tensor_parallel import apply_tp
-
         apply_tp(model, meshes["tp"], sequence_parallel=config.parallel.sequence_parallel)
     if dims is not None and dims.ep > 1:
-        from dstrain.parallel.expert_parallel import apply_ep
-
         apply_ep(model, meshes["ep"])
     apply_ac(model, mode=config.train.activation_checkpoint)
     if config.train.compile:
@@ -41,9 +39,12 @@ def parallelize_model(
 
 
 def _apply_data_parallel(model: Transformer, config: DstrainConfig, meshes: Meshes) -> nn.Module:
+    """DDP or FSDP2 over the dp axes. Expert-parallel experts stay outside both: their gradients
+    are reduced by `reduce_expert_grads` over the ranks that hold the same experts."""
     p, dims = config.parallel, meshes.dims
+    experts = dict(expert_parameters(model))
     if p.zero_stage <= 1:
-        return apply_ddp(model, meshes["dp"], config.comm)
+        return apply_ddp(model, meshes["dp"], config.comm, ignored=list(experts))
     mesh = meshes.dense["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else meshes["dp_shard"]
     apply_fsdp(
         model,
@@ -51,6 +52,7 @@ def _apply_data_parallel(model: Transformer, config: DstrainConfig, meshes: Mesh
         reshard_after_forward=p.zero_stage == 3,
         param_dtype=torch.bfloat16 if config.train.precision == "bf16" else None,
         offload=p.offload_optimizer or p.offload_params,
+        ignored=set(experts.values()),
     )
     return model
 

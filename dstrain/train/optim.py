@@ -4,19 +4,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 from dstrain.config.schema import OptimConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Matrices (and expert tensors, embeddings) decay; vectors (norm weights, biases) do not."""
-    decay, no_decay = [], []
+    """Matrices (and expert tensors, embeddings) decay; vectors (norm weights, biases) do not.
+
+    Parameters are also grouped by kind (plain tensor, or DTensor on a given mesh), because a
+    foreach step cannot mix them: TP and EP leave plain and DTensor parameters side by side."""
+    groups: dict[tuple[bool, object], list[torch.Tensor]] = {}
     for param in model.parameters():
         if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
+            mesh = param.device_mesh if isinstance(param, DTensor) else None
+            groups.setdefault((param.dim() >= 2, mesh), []).append(param)
+    ordered = sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1] is not None))
     return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": params, "weight_decay": weight_decay if decays else 0.0}
+        for (decays, _), params in ordered
     ]
 
 

@@ -10,6 +10,7 @@ the same way.
 """
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +67,10 @@ def train_step(
     num_mtp: int,
     bias_update_speed: float,
     dp: DataParallel = DataParallel(),
+    finish_grads: Callable[[], None] | None = None,
 ) -> StepResult:
+    """`finish_grads` runs after the last backward, before clipping: the gradient reductions the
+    DP wrappers do not do (expert-parallel experts)."""
     device = next(model.parameters()).device
     labels = [mb[:, 1:].to(device) for mb in micro_batches]
     counts = _global_counts(labels, num_mtp, dp)
@@ -83,6 +87,8 @@ def train_step(
         loss = loss + parts["main"]
         if mtp_loss is not None:
             mtp_loss = mtp_loss + parts["mtp"]
+    if finish_grads is not None:
+        finish_grads()
     params = [p for p in model.parameters() if p.grad is not None]
     finite = scaler.unscale_and_check(params)
     grad_norm = clip_grad_norm(params, grad_clip)
@@ -96,14 +102,26 @@ def train_step(
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """The global gradient norm (over shards too: FSDP's DTensor gradients), clipped to max_norm
-    when max_norm > 0. Returns the norm before clipping."""
-    grads = [p.grad for p in params]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()  # all-reduce of the per-shard squares
+    """The global gradient norm, clipped to max_norm when max_norm > 0; returns the norm before
+    clipping. Gradients may be plain tensors and DTensors on several meshes (FSDP, TP, EP): each
+    kind's squared norm is summed over its shards (an all-reduce per kind), then combined."""
+    by_kind: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+        by_kind.setdefault(key, []).append(p.grad)
+    squares = []
+    for grads in by_kind.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares.append(norm.float() ** 2)
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        # Host sync: one scale factor for plain tensors and DTensors alike.
+        scale = min(1.0, max_norm / (total.item() + 1e-6))
+        if scale < 1.0:
+            for grads in by_kind.values():
+                torch._foreach_mul_(grads, scale)
     return total.detach()
 
 

@@ -29,6 +29,7 @@ from dstrain.metrics.sinks import JsonlSink, Sink, TensorBoardSink
 from dstrain.model.flops import param_counts, training_flops_per_token
 from dstrain.model.transformer import build_model
 from dstrain.parallel.distributed import init_distributed
+from dstrain.parallel.expert_parallel import reduce_expert_grads
 from dstrain.parallel.mesh import build_meshes
 from dstrain.parallel.parallelize import parallelize_model
 from dstrain.train.loss_scale import LossScaler
@@ -95,6 +96,13 @@ class Trainer:
             world_size=self.world.world_size,
         )
         raise_if_errors(dims.validate())
+        if dims.tp > 1 and dims.dp > 1 and p.zero_stage <= 1:
+            raise UserError(
+                "tp > 1 with data parallelism runs only under FSDP2 here: DDP and ZeRO-1 cannot "
+                "reduce tensor-parallel (DTensor) parameters",
+                "set parallel.zero_stage = 2 (or 3)",
+                exit_code=1,
+            )
         if p.zero_stage == 1 and dims.dp > 1 and self.config.checkpoint.enable:
             raise UserError(
                 "checkpoints of ZeRO-1 (ZeroRedundancyOptimizer) runs are not supported yet",
@@ -108,6 +116,12 @@ class Trainer:
         if self.meshes is None or self.dims.dp == 1:
             return DataParallel()
         return DataParallel(self.meshes["dp"].get_group(), self.dims.dp)
+
+    def _finish_grads(self) -> None:
+        if self.dims.ep > 1:
+            edp = self.meshes["edp"]
+            group = edp.get_group() if edp.size() > 1 else None
+            reduce_expert_grads(self.model, group, 1.0 / (self.dims.dp * self.dims.tp))
 
     def _zero1_group(self):
         if self.config.parallel.zero_stage == 1 and self.dp.size > 1:
@@ -260,6 +274,7 @@ class Trainer:
             num_mtp=args.num_mtp_modules,
             bias_update_speed=args.bias_update_speed,
             dp=self.dp,
+            finish_grads=self._finish_grads,
         )
         if not result.skipped:
             self.scheduler.step()

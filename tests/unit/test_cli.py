@@ -78,7 +78,7 @@ def test_check_exit_codes(cli, tmp_path):
 
 def test_check_nodes_times_gpus(cli, tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text("[parallel]\ntp = 4\ndp_shard = 2\n")
+    path.write_text("[parallel]\ntp = 4\ndp_shard = 2\nzero_stage = 2\n")
     assert cli("check", path, "--nodes", "1", "--gpus-per-node", "8").code == 0
     assert cli("check", path, "--nodes", "2", "--gpus-per-node", "8").code == 1
 

@@ -231,6 +231,12 @@ def test_offload_needs_zero():
     )
 
 
+def test_tensor_parallel_with_data_parallel_needs_fsdp():
+    assert "parallel.zero_stage" in warnings("parallel.tp=2", "parallel.dp_shard=2", world=4)
+    assert errors("parallel.tp=2", "parallel.dp_shard=2", "parallel.zero_stage=2", world=4) == {}
+    assert errors("parallel.ep=2", "parallel.dp_shard=2", world=2) == {}  # DDP leaves experts
+
+
 def test_compression_hooks_need_ddp():
     assert "comm.compression" in errors(
         "comm.compression=powersgd", "parallel.zero_stage=2", world=2

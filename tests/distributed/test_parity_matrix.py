@@ -1,4 +1,5 @@
-"""Parity of the data-parallel layouts against one process: DDP, ZeRO-1/2/3, CPU offload, HSDP.
+"""The parity matrix: every layout against one process (DDP, ZeRO-1/2/3, CPU offload, HSDP, TP,
+TP + SP, EP, and their combinations).
 
 Every layout trains the debug flavor for 8 steps from the same weights on the same global batch
 (16 sequences: 4 micro-batches of 4 on one process, 2 of 4 on each of 2 ranks). Per-step losses
@@ -57,12 +58,12 @@ def _losses(root: Path, name: str) -> list[float]:
     return [json.loads(line)["loss/main"] for line in lines]
 
 
-def _check(root: Path, name: str, reference_weights: dict) -> None:
+def _check(root: Path, name: str, reference_weights: dict, weights_dir: Path | None = None) -> None:
     expected, got = _losses(root, "reference"), _losses(root, name)
     assert len(got) == STEPS
     for step, (a, b) in enumerate(zip(expected, got, strict=True), start=1):
         assert abs(a - b) <= LOSS_RTOL * abs(a), (name, step, a, b)
-    weights = torch.load(root / f"{name}.pt")
+    weights = torch.load((weights_dir or root) / f"{name}.pt")
     assert weights.keys() == reference_weights.keys(), name
     worst = max((weights[k] - reference_weights[k]).abs().max().item() for k in weights)
     assert worst < WEIGHT_ATOL, (name, worst)
@@ -119,3 +120,33 @@ def test_hsdp_2x2_matches_one_process(setup):
         4, "train_layouts", root, json.dumps({"common": common, "layouts": layouts}), timeout=600
     )
     _check(root, "hsdp", reference)
+
+
+# Tensor and expert parallelism, alone and combined, on 2 ranks.
+TWO_RANKS_ND = {
+    "tp2": ["parallel.tp=2", "parallel.sequence_parallel=false"],
+    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "ep2_ddp": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero_stage=0"],
+    "ep2_fsdp": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero_stage=2"],
+    "tp2_ep2": ["parallel.tp=2", "parallel.ep=2"],
+}
+FOUR_RANKS_ND = {
+    "dp2_tp2": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.zero_stage=2"],
+    "dp4_ep2": ["parallel.dp_shard=4", "parallel.ep=2", "parallel.zero_stage=3"],
+}
+
+
+def test_tensor_and_expert_parallel_match_one_process(setup):
+    root, common, reference = setup
+    spec = {"common": common, "layouts": TWO_RANKS_ND}
+    run_ranks(2, "train_layouts", root / "nd2", json.dumps(spec), timeout=600)
+    for name in TWO_RANKS_ND:
+        _check(root, name, reference, weights_dir=root / "nd2")
+
+
+def test_combined_layouts_on_four_ranks_match_one_process(setup):
+    root, common, reference = setup
+    spec = {"common": common, "layouts": FOUR_RANKS_ND}
+    run_ranks(4, "train_layouts", root / "nd4", json.dumps(spec), timeout=600)
+    for name in FOUR_RANKS_ND:
+        _check(root, name, reference, weights_dir=root / "nd4")

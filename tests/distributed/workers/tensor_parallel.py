@@ -1,0 +1,159 @@
+"""TP / SP parity: the same tiny model trained on the tp ranks and on one process (rank 0).
+
+Every case builds the model with the same seed on every rank, applies TP to it, trains a few SGD
+steps on one token batch fed to all tp ranks, and reports the per-step loss differences against
+the one-process run, the final weights' differences (DTensors gathered with `full_tensor()`), and
+whether the parameters that TP leaves plain stayed identical across the ranks.
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from dstrain.config.parallel_dims import ParallelDims
+from dstrain.model.transformer import Transformer, build_model
+from dstrain.parallel.mesh import build_meshes
+from dstrain.parallel.tensor_parallel import apply_tp
+from tests.distributed.harness import worker_main
+from tests.unit.tiny import tiny_args
+
+STEPS, BATCH, SEQ, LR, MTP_WEIGHT = 8, 2, 8, 0.5, 0.3
+
+
+def cases(tp: int) -> dict[str, tuple[dict, bool]]:
+    """name -> (ModelArgs changes, sequence_parallel). Heads: 2 per rank."""
+    heads = dict(num_heads=2 * tp)
+    return {
+        "tp": (heads, False),
+        "sp": (heads | dict(aux_loss_alpha=0.01), True),
+        "sp_no_mtp": (heads | dict(num_mtp_modules=0), True),
+        "sp_mha_gqa_gelu": (
+            heads | dict(attention="mha", num_kv_heads=tp, mlp="gelu", num_mtp_modules=0),
+            True,
+        ),
+        "tp_direct_query": (heads | dict(q_lora_rank=0), False),
+    }
+
+
+def tensor_parallel(out_dir):
+    """argv[2:]: the cases to run (all by default)."""
+    tp = dist.get_world_size()
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=tp, pp=1, ep=1, world_size=tp)
+    tp_mesh = build_meshes(dims, "cpu")["tp"]
+    chosen = {name: case for name, case in cases(tp).items() if name in sys.argv[2:]}
+    result = {
+        name: run_case(tiny_args(**changes), sp, tp_mesh)
+        for name, (changes, sp) in (chosen or cases(tp)).items()
+    }
+    result["sharding"] = check_sharding(tp_mesh)
+    return result
+
+
+def run_case(args, sp: bool, tp_mesh) -> dict:
+    torch.manual_seed(0)
+    tokens = torch.randint(args.vocab_size, (BATCH, SEQ + 1))
+    torch.manual_seed(1)
+    model = build_model(args)
+    apply_tp(model, tp_mesh, sequence_parallel=sp)
+    report = {"losses": train(model, tokens), "plain_spread": plain_spread(model)}
+    grads, report["norm_grad"] = last_grads(model, tokens)
+    weights = {name: full(p) for name, p in model.named_parameters()}
+    if dist.get_rank() == 0:
+        torch.manual_seed(1)
+        reference = build_model(args)
+        report["ref_losses"] = train(reference, tokens)
+        ref_grads, report["ref_norm_grad"] = last_grads(reference, tokens)
+        report["weight_diff"] = max_diff(weights, dict(reference.named_parameters()))
+        report["grad_diff"] = max_diff(grads, ref_grads)
+    return report
+
+
+def train(model: Transformer, tokens: torch.Tensor) -> list[float]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        loss = lm_loss(model, tokens)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def lm_loss(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    out = model(inputs)
+    logits, *mtp = out if isinstance(out, tuple) else (out,)
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    for k, mtp_logits in enumerate(mtp, start=1):
+        mtp_loss = F.cross_entropy(mtp_logits.flatten(0, 1), labels[:, k:].flatten())
+        loss = loss + MTP_WEIGHT / len(mtp) * mtp_loss
+    return loss
+
+
+def last_grads(model: Transformer, tokens: torch.Tensor) -> tuple[dict, dict]:
+    """Full gradients of one more backward, and this rank's own copy of a block norm's."""
+    lm_loss(model, tokens).backward()
+    grads = {name: full(p.grad) for name, p in model.named_parameters()}
+    norm_grad = model.layers["0"].attention_norm.weight.grad
+    is_dtensor = isinstance(norm_grad, DTensor)
+    own = {
+        "placements": [str(p) for p in norm_grad.placements] if is_dtensor else None,
+        "local": (norm_grad.to_local() if is_dtensor else norm_grad).tolist(),
+    }
+    model.zero_grad()
+    return grads, own
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach()
+
+
+def max_diff(ours: dict, reference: dict) -> dict:
+    """Largest |ours - reference| over all tensors, absolute and relative to the tensor's scale."""
+    diffs, scaled = {}, {}
+    for name, ref in reference.items():
+        diff = (ours[name] - ref.detach()).abs().max().item()
+        diffs[name], scaled[name] = diff, diff / ref.detach().abs().max().item()
+    worst, worst_scaled = max(diffs, key=diffs.get), max(scaled, key=scaled.get)
+    return {
+        "abs": diffs[worst],
+        "abs_at": worst,
+        "rel": scaled[worst_scaled],
+        "rel_at": worst_scaled,
+    }
+
+
+def plain_spread(model: Transformer) -> float:
+    """Largest difference between a plain (non-DTensor) parameter and rank 0's copy of it."""
+    spread = 0.0
+    for p in model.parameters():
+        if not isinstance(p, DTensor):
+            theirs = p.detach().clone()
+            dist.broadcast(theirs, 0)
+            spread = max(spread, (p.detach() - theirs).abs().max().item())
+    return spread
+
+
+def check_sharding(tp_mesh) -> dict:
+    torch.manual_seed(1)
+    model = build_model(tiny_args(num_heads=2 * tp_mesh.size()))
+    full_rows = {
+        n: model.layers["0"].attention.get_submodule(n).weight.shape[0] for n in ("wq_b", "wkv_b")
+    }
+    apply_tp(model, tp_mesh, sequence_parallel=True)
+    attention = model.layers["0"].attention
+    local_rows = {n: attention.get_submodule(n).weight.to_local().shape[0] for n in full_rows}
+    try:
+        apply_tp(build_model(tiny_args(num_heads=3)), tp_mesh, sequence_parallel=False)
+        bad_heads = "no error"
+    except ValueError as e:
+        bad_heads = str(e)
+    return {"full_rows": full_rows, "local_rows": local_rows, "bad_heads": bad_heads}
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(tensor_parallel))
