@@ -70,9 +70,10 @@ class ParallelConfig(Section):
         "dp_shard x cp x tp. 1 = every rank holds every expert.",
     )
     zero_stage: Literal[0, 1, 2, 3] = Field(
-        1,
-        description="ZeRO stage over dp_shard: 0 = DDP, 1 = DDP + sharded optimizer, "
-        "2 = FSDP2 keeping parameters after forward, 3 = FSDP2 resharding after forward.",
+        2,
+        description="ZeRO stage over dp_shard: 0 = DDP, 1 = DDP + sharded optimizer "
+        "(ZeroRedundancyOptimizer), 2 = FSDP2 keeping parameters after forward, 3 = FSDP2 "
+        "resharding after forward. 2 composes with TP, EP, PP and checkpoints.",
     )
     sequence_parallel: bool = Field(
         True, description="Shard norms and dropout over the sequence when tp > 1."

@@ -232,9 +232,13 @@ def test_offload_needs_zero():
 
 
 def test_tensor_parallel_with_data_parallel_needs_fsdp():
-    assert "parallel.zero_stage" in warnings("parallel.tp=2", "parallel.dp_shard=2", world=4)
+    assert "parallel.zero_stage" in warnings(
+        "parallel.tp=2", "parallel.dp_shard=2", "parallel.zero_stage=1", world=4
+    )
     assert errors("parallel.tp=2", "parallel.dp_shard=2", "parallel.zero_stage=2", world=4) == {}
-    assert errors("parallel.ep=2", "parallel.dp_shard=2", world=2) == {}  # DDP leaves experts
+    assert (
+        errors("parallel.ep=2", "parallel.dp_shard=2", "parallel.zero_stage=0", world=2) == {}
+    )  # DDP leaves the experts to dstrain
 
 
 def test_compression_hooks_need_ddp():

@@ -1,0 +1,119 @@
+"""Multi-process training as a user launches it: `dstrain train --nproc N` (torchrun's elastic
+agent inside dstrain) and `torchrun -m dstrain.train` (what a multi-node job runs)."""
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.harness import REPO, free_port
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def common(tmp_path_factory) -> list[str]:
+    root = tmp_path_factory.mktemp("cli")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for source in sorted((Path(sysconfig.get_paths()["stdlib"]) / "json").glob("*.py")):
+        (corpus / f"{source.stem}.txt").write_text(source.read_text())
+    overrides = [
+        f"data.source={corpus}",
+        f"data.cache_dir={root / 'cache'}",
+        f"run.root={root / 'runs'}",
+        "train.steps=4",
+        "train.seq_len=32",
+        "train.micro_batch_size=4",
+        "metrics.log_interval=1",
+    ]
+    return [arg for o in overrides for arg in ("--set", o)]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=300, env=env, cwd=REPO
+    )
+
+
+def _metrics(common: list[str], name: str) -> list[dict]:
+    root = Path(next(a for a in common if a.startswith("run.root=")).split("=", 1)[1])
+    lines = (root / name / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_nproc_launches_workers_through_the_elastic_agent(common):
+    done = _run(
+        "-m",
+        "dstrain",
+        "train",
+        "--nproc",
+        "2",
+        *common,
+        "--set",
+        "run.name=nproc",
+        "--set",
+        "parallel.ep=2",
+        "--set",
+        "parallel.zero_stage=2",
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("done: 4 steps") == 1
+    rows = _metrics(common, "nproc")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert "dp_shard2 = 2 ranks, ep2" in done.stderr
+
+
+def test_torchrun_module_entry_point(common):
+    done = _run(
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "dstrain.train",
+        *common,
+        "--set",
+        "run.name=torchrun",
+        "--set",
+        "parallel.zero_stage=3",
+    )
+    assert done.returncode == 0, done.stderr
+    assert len(_metrics(common, "torchrun")) == 4
+
+
+def test_a_layout_that_does_not_fit_fails_before_any_process(common):
+    done = _run("-m", "dstrain", "train", "--nproc", "2", *common, "--set", "parallel.tp=4")
+    assert done.returncode == 1
+    assert "does not divide" in done.stderr or "world size" in done.stderr
+    assert "torch.distributed" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_failing_worker_takes_the_job_down_with_its_rank(common):
+    # ZeRO-1 with checkpoints passes the pre-flight but every worker refuses it at start-up.
+    done = _run(
+        "-m",
+        "dstrain",
+        "train",
+        "--nproc",
+        "2",
+        *common,
+        "--set",
+        "run.name=fail",
+        "--set",
+        "parallel.zero_stage=1",
+        "--set",
+        "checkpoint.enable=true",
+    )
+    assert done.returncode == 1
+    assert "rank 0 failed" in done.stderr or "rank 1 failed" in done.stderr
+    assert "ZeRO-1" in done.stderr
