@@ -178,6 +178,7 @@ class Trainer:
             "model": model_state,
             "optim": optim_state,
             "train": {
+                "layout": self._layout(),
                 "step": self.step,
                 "lr_last_epoch": self.scheduler.last_epoch,
                 "loader": self.loader.state_dict(),
@@ -196,10 +197,32 @@ class Trainer:
             is_main=self.world.is_main,
         )
 
+    def _layout(self) -> str:
+        d, p = self.dims, self.config.parallel
+        return (
+            f"dp_replicate={d.dp_replicate},dp_shard={d.dp_shard},cp={d.cp},tp={d.tp},"
+            f"pp={d.pp},ep={d.ep},zero_stage={p.zero_stage}"
+        )
+
+    def _check_layout(self, path: Path) -> None:
+        """Resharding on resume (another layout than the checkpoint's) arrives with the
+        fault-tolerance issue; until then it is refused here rather than loaded wrongly."""
+        probe = {"train": {"layout": ""}}
+        store.load(path, probe)
+        saved = probe["train"]["layout"]
+        if saved != self._layout():
+            raise UserError(
+                f"{path} was written under another layout ({saved}) than this run's "
+                f"({self._layout()}); resuming with resharding is not built yet",
+                "resume with the checkpoint's layout, or start a new run (--set run.name=NEW)",
+                exit_code=1,
+            )
+
     def _resume(self) -> None:
         path = self._resume_path()
         if path is None:
             return
+        self._check_layout(path)
         state = self.state()
         store.load(path, state)
         set_state_dict(

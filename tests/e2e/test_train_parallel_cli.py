@@ -117,3 +117,13 @@ def test_a_failing_worker_takes_the_job_down_with_its_rank(common):
     assert done.returncode == 1
     assert "rank 0 failed" in done.stderr or "rank 1 failed" in done.stderr
     assert "ZeRO-1" in done.stderr
+
+
+def test_resume_under_another_layout_is_refused_clearly(common):
+    first = _run("-m", "dstrain", "train", "--nproc", "2", *common, "--set", "run.name=layout",
+                 "--set", "parallel.ep=2")
+    assert first.returncode == 0, first.stderr
+    again = _run("-m", "dstrain", "train", *common, "--set", "run.name=layout",
+                 "--set", "train.steps=6")
+    assert again.returncode == 1 and "another layout" in again.stderr
+    assert "Traceback" not in again.stderr
