@@ -11,33 +11,38 @@ Columns:
 - tok/s: global target tokens of the timed steps / their wall time (barriers around them), and
   that divided by the ranks. One intra-op thread per rank (torchrun's default): the one-process
   run leaves the second core idle, and 4 ranks oversubscribe the 2 cores.
-- RSS: `ru_maxrss` of each rank, after the steps (largest rank shown). It includes the ~0.3 GB
-  of Python, torch and dstrain that every process carries, and each rank built the full model
-  once before sharding it, so it barely shows the sharding; hence:
+- RSS: `ru_maxrss` of each rank after the steps (largest rank shown). One fresh process per
+  layout, so it is that layout's own high-water mark; but it includes Python, torch and dstrain
+  (the header gives what a rank holds after its imports), and each rank builds the full model
+  before sharding it, so it barely shows the sharding of a 7 MB model; hence:
 - state: bytes of parameters + gradients + optimizer states that a rank holds, counted from its
   tensors (local shards of DTensors, FSDP2's all-gathered copies while alive, each storage once;
-  see the worker) at two points of one extra micro-step: end of forward ("fwd": FSDP2 still
-  holds the parameters it gathered and keeps after forward; no gradients yet) and end of
-  backward ("bwd": gradients; FSDP2 has resharded the parameters). The larger is shown, with
-  its point; largest rank.
+  see the worker) at two points of one extra micro-step after the timed ones: end of forward
+  ("fwd": FSDP2 still holds what it gathered and keeps after forward; no gradients, the last
+  step's `zero_grad` freed them) and end of backward, before any `zero_grad` ("bwd": gradients;
+  FSDP2 has resharded its parameters). The larger is shown, with its point; largest rank.
 - pred: that figure from the one-process P (parameters), G (gradients), O (optimizer states),
-  fp32 bytes, split per parameter: a tensor sharded over tp (ep) is 1/tp (1/ep) of its
-  one-process size; then over the ZeRO shard degree N (dp_shard; efsdp for routed experts, as
-  the README's folding rule says; dp for ZeRO-1) ZeRO-1 keeps P + G + O/N, ZeRO-2
+  fp32 bytes, split per parameter: a tensor placed Shard on tp (ep) is 1/tp (1/ep) of its
+  one-process size; then over the ZeRO shard degree N (dp_shard; for routed experts efsdp, as
+  the README's folding rule says; for ZeRO-1 dp) ZeRO-1 keeps P + G + O/N, ZeRO-2
   P + (G + O)/N, ZeRO-3 (P + G + O)/N. ok: every rank within 10 %.
 
-FSDP2's "ZeRO-2" (reshard_after_forward=False) differs from DeepSpeed's: parameters are whole
-only from forward to backward, and resharded after it. Its peak is at "fwd", P whole + P/N of
-sharded copies + O/N, which equals ZeRO-2's P + (G + O)/N because G = P, not because gradients
-are held whole-free at that point. ZeRO-3's root module (embedding, head, final norm, MTP
-projection) also stays gathered after forward, so its "fwd" point can exceed (P + G + O)/N.
+FSDP2's "ZeRO-2" (reshard_after_forward=False) is not DeepSpeed's: parameters are whole only
+from forward to backward, resharded after it. At "fwd" it holds P whole + P/N sharded + O/N and
+no gradients, which equals P + (G + O)/N only because G = P (and routed experts, outside FSDP,
+have no sharded copy to stand in for their gradients: ep + ZeRO-2 reads lower). ZeRO-3 keeps the
+root module (embedding, head, final norm, MTP projection: 30 % of this model) gathered after
+forward, so its "fwd" point can exceed (P + G + O)/N. The detail lines add, unchecked, the
+largest total seen while gradients land during that backward, where gathered parameters and
+whole, not yet reduce-scattered gradients coexist.
 
 Then two checks that TP and EP really split what they claim to: the tensors placed Shard on the
 tp (ep) axis must hold 1/2 of their one-process bytes per rank at tp2 (ep2).
 
 Usage: python benchmarks/parallel_layouts.py [--steps N] [--warmup W] [--repeats R]
            [--only NAME,...] [--threads T] [--set k=v ...]
-(about 4 minutes with the defaults; R > 1 repeats the whole sequence and takes median tok/s)
+(about 4 minutes with the defaults on a quiet machine; R > 1 repeats the whole sequence and
+takes the median tok/s)
 """
 
 import argparse
@@ -173,7 +178,8 @@ def predict(reference: dict, params: dict, dims: ParallelDims, zero: int) -> flo
 
 
 def state_peak(rank: dict) -> tuple[float, str]:
-    fwd, bwd = sum(rank["after_fwd"].values()), sum(rank["after_bwd"].values())
+    """The checked figure: the larger of the two snapshots (not the transient in-backward one)."""
+    fwd, bwd = (sum(rank["state"][at].values()) for at in ("fwd", "bwd"))
     return (fwd, "fwd") if fwd > bwd else (bwd, "bwd")
 
 
@@ -276,6 +282,11 @@ def report(config, runs: dict, common: list[str], args, wall: float) -> None:
         f"one process holds P {params / MB:.2f} MB parameters, G {grads / MB:.2f} MB gradients, "
         f"O {states / MB:.2f} MB optimizer states (fp32; {params // 4:,} parameters)"
     )
+    imports = [r["rss_after_imports_mb"] for rs in runs.values() for r in rs[-1]]
+    print(
+        f"RSS of a rank after importing torch and dstrain, before the Trainer: "
+        f"{min(imports):.0f}-{max(imports):.0f} MB"
+    )
     print()
     head = (
         f"{'layout':<18} {'ranks':>5} {'tok/s':>7} {'tok/s/rank':>10} {'RSS MB/rank':>11} "
@@ -306,20 +317,21 @@ def report(config, runs: dict, common: list[str], args, wall: float) -> None:
 
 
 def detail(rows: list[Row], reference: dict) -> None:
-    print("per rank, MB: params + grads + optimizer states at the end of forward | backward")
+    print(
+        "model state per rank, MB, params + grads + optimizer states: end of forward | end of "
+        "backward | largest while the backward ran (not checked)"
+    )
     for row in rows:
-        parts = []
-        for r in row.ranks:
-            f, b = r["after_fwd"], r["after_bwd"]
-            parts.append(
-                f"{f['params'] / MB:.2f}+{f['grads'] / MB:.2f}+{f['optim'] / MB:.2f} | "
-                f"{b['params'] / MB:.2f}+{b['grads'] / MB:.2f}+{b['optim'] / MB:.2f}"
-            )
-        worst = max(abs(s / row.predicted - 1) for s, _ in row.peaks)
+        worst = max((s / row.predicted - 1 for s, _ in row.peaks), key=abs)
+        in_bwd = max(sum(r["state"]["in_bwd"].values()) for r in row.ranks)
         bucket = row.ranks[0]["ddp_bucket_bytes"]
-        extra = f"; DDP buckets {bucket / MB:.2f} MB more" if bucket else ""
-        print(f"  {row.layout.name:<18} worst {worst:+.1%}{extra}")
-        for rank, text in enumerate(parts):
+        extra = f"; DDP's buckets hold {bucket / MB:.2f} MB more" if bucket else ""
+        print(
+            f"  {row.layout.name:<18} checked {worst:+.1%} off; in backward up to "
+            f"{in_bwd / MB:.2f} MB ({in_bwd / row.predicted - 1:+.0%} over pred){extra}"
+        )
+        for rank, r in enumerate(row.ranks):
+            text = " | ".join(_parts(r["state"][at]) for at in ("fwd", "bwd", "in_bwd"))
             print(f"      rank {rank}: {text}")
     print(
         "\nTP/EP split (tensors placed Shard on the axis: their bytes per rank / one process's; "
@@ -328,6 +340,10 @@ def detail(rows: list[Row], reference: dict) -> None:
     for row in rows:
         for axis in HALF_CHECKS.get(row.layout.name, ()):
             print(f"  {row.layout.name:<18} {half_check(row, reference, axis)}")
+
+
+def _parts(state: dict) -> str:
+    return "+".join(f"{state[k] / MB:.2f}" for k in ("params", "grads", "optim"))
 
 
 def half_check(row: Row, reference: dict, axis: str) -> str:

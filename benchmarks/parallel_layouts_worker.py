@@ -7,9 +7,11 @@ backward) to count the model state this rank holds, and writes `rank{r}.json`:
 
 - seconds, tokens: wall time and global target tokens of the timed steps;
 - peak_rss_mb: `ru_maxrss`, after everything above (one fresh process per layout, so it is this
-  layout's own high-water mark, Python and torch included);
-- after_fwd, after_bwd: bytes of parameters, gradients and optimizer states held at the end of
-  the forward and at the end of the backward of that micro-step. Counted by storage, each
+  layout's own high-water mark, Python and torch included); rss_after_imports_mb: the same
+  right after this file's imports;
+- state: bytes of parameters, gradients and optimizer states held at the end of the forward
+  ("fwd") and at the end of the backward ("bwd") of that micro-step, and the largest total seen
+  while gradients land during that backward ("in_bwd", see BackwardPeak). Counted by storage, each
   storage once: a DTensor counts its local shard, FSDP2 parameters count their sharded data plus
   any all-gathered (unsharded) copy that is alive at that moment, and FSDP2's gradients are views
   of one reduce-scatter buffer per block, counted whole. Optimizer states are those of this
@@ -40,6 +42,7 @@ from dstrain.parallel.distributed import shutdown
 from dstrain.train.loss import TokenCounts, loss_terms
 from dstrain.train.trainer import Trainer
 
+RSS_AFTER_IMPORTS_MB = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 WRAPPER_PREFIXES = ("module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
@@ -48,14 +51,14 @@ def main() -> None:
     config = load_config(None, spec["overrides"]).config
     trainer = Trainer(config)
     seconds, tokens = timed_steps(trainer, spec["warmup"], spec["steps"])
-    after_fwd, after_bwd, per_name = measure_micro_step(trainer)
+    snapshots, per_name = measure_micro_step(trainer)
     result = {
         "world_size": trainer.world.world_size,
         "seconds": seconds,
         "tokens": tokens,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "after_fwd": after_fwd,
-        "after_bwd": after_bwd,
+        "rss_after_imports_mb": RSS_AFTER_IMPORTS_MB,
+        "state": snapshots,
         "params": param_layout(trainer.model),
         "per_name": per_name,
         "ddp_bucket_bytes": ddp_bucket_bytes(trainer.model),
@@ -75,7 +78,7 @@ def timed_steps(trainer: Trainer, warmup: int, steps: int) -> tuple[float, int]:
     return time.perf_counter() - start, tokens
 
 
-def measure_micro_step(trainer: Trainer) -> tuple[dict, dict, dict]:
+def measure_micro_step(trainer: Trainer) -> tuple[dict, dict]:
     """One micro-batch by hand. After the previous step's `zero_grad(set_to_none=True)` there are
     no gradients at the end of the forward; the optimizer states exist since the first step."""
     model, args = trainer.model, trainer.model_args
@@ -87,10 +90,43 @@ def measure_micro_step(trainer: Trainer) -> tuple[dict, dict, dict]:
     outputs = model(micro_batch[:, :-1])
     after_fwd = held_bytes(model, trainer.optimizer)
     total, _ = loss_terms(outputs, labels, counts, args.mtp_loss_weight)
+    sampler = BackwardPeak(model, trainer.optimizer)
     total.backward()
+    sampler.remove()
     after_bwd = held_bytes(model, trainer.optimizer)
     per_name = per_name_bytes(model, trainer.optimizer) if trainer.world.world_size == 1 else {}
-    return after_fwd, after_bwd, per_name
+    return {"fwd": after_fwd, "in_bwd": sampler.peak, "bwd": after_bwd}, per_name
+
+
+class BackwardPeak:
+    """The largest `held_bytes` seen each time a gradient lands during the backward
+    (post-accumulate-grad hooks on every leaf: plain, DTensor, FSDP2's sharded parameters (FSDP
+    calls their hooks after the reduce-scatter) and its unsharded ones (autograd does)). It
+    catches what lives only inside the backward: whole gradients before their reduce-scatter,
+    gathered parameters not yet resharded."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.peak = {"params": 0, "grads": 0, "optim": 0}
+        leaves = {id(t): t for t in _leaves(model) if t.requires_grad}
+        self.handles = [t.register_post_accumulate_grad_hook(self._sample) for t in leaves.values()]
+
+    def _sample(self, _param: torch.Tensor) -> None:
+        now = held_bytes(self.model, self.optimizer)
+        if sum(now.values()) > sum(self.peak.values()):
+            self.peak = now
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _leaves(model: nn.Module) -> Iterator[torch.Tensor]:
+    yield from model.parameters()
+    for fsdp_param in _fsdp_params(model):
+        yield fsdp_param.sharded_param
+        if hasattr(fsdp_param, "_unsharded_param"):
+            yield fsdp_param._unsharded_param
 
 
 def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -152,7 +188,9 @@ def param_layout(model: nn.Module) -> dict[str, dict]:
         sharded_over: set[str] = set()
         if isinstance(p, DTensor):
             names = p.device_mesh.mesh_dim_names or ()
-            sharded_over = {n for n, pl in zip(names, p.placements, strict=True) if _shards(pl)}
+            sharded_over = {
+                n for n, x in zip(names, p.placements, strict=True) if isinstance(x, Shard)
+            }
         grad = p.grad
         layout[_plain_name(name)] = {
             "local": _nbytes(_local(p)),
@@ -163,10 +201,6 @@ def param_layout(model: nn.Module) -> dict[str, dict]:
             "ep": "ep" in sharded_over,
         }
     return layout
-
-
-def _shards(placement: object) -> bool:
-    return isinstance(placement, Shard)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -20,15 +20,16 @@ runs an all-to-all of the per-(rank, expert) counts (no gradient), then the rows
 combine all-to-alls with uneven splits (`all_to_all_single_autograd`); backward runs each of the
 two row all-to-alls with its splits swapped. The backward of dispatch is what sums rank r's
 expert weight gradients over all ep ranks' tokens: nothing else is reduced for the experts over
-ep. Data-parallel reduction of the dense parameters (and of expert weights over `efsdp`) is the
-data-parallel wrapper's job.
+ep. The dense parameters' data-parallel reduction is DDP's/FSDP's; the experts stay outside both
+and `reduce_expert_grads` sums their gradients over the ranks holding the same experts (`edp`).
 
 Weights are DTensors `Shard(0)` on the ep mesh (each rank stores only its L experts' local
 shards), not plain local tensors, because that is what composes: the state dict keeps the global
 [E, F, D] shapes under the unchanged names, so DCP saves every shard (plain same-named tensors
 would be deduplicated as replicas) and reshards across ep degrees, the HF key map still sees E
-experts after `full_tensor()`, and FSDP2 on the `efsdp` mesh (a sibling of `ep` under one root)
-shards them as a 2-D (efsdp, ep) parameter, as torchtitan does.
+experts after `full_tensor()`. FSDP2 on the `efsdp` mesh (a sibling of `ep` under one root) can
+shard them further as a 2-D (efsdp, ep) parameter, as torchtitan does; dstrain does not yet, so
+the `efsdp` ranks each hold a full copy of their ep rank's experts.
 """
 
 import torch
