@@ -8,9 +8,9 @@ The axes, outermost first: pp, dp_replicate, dp_shard, cp, tp.
 
 Expert parallelism folds over the data and tensor axes (torchtitan's rule):
     dp_shard x cp x tp = ep x efsdp
-The routed experts are split over `ep` ranks; the remaining `efsdp` ranks hold the same experts
-(replicated for now: ZeRO-sharding them over efsdp, as torchtitan does, is not built yet). So ep
-must divide dp_shard x cp x tp; it adds no ranks of its own.
+The routed experts are split over `ep` ranks, and under FSDP (zero_stage >= 2) each expert's
+weights are ZeRO-sharded over the remaining `efsdp` ranks. So ep must divide dp_shard x cp x tp;
+it adds no ranks of its own.
 """
 
 from dataclasses import dataclass

@@ -56,6 +56,24 @@ def apply_fsdp(
     fully_shard(model, **{**kwargs, "reshard_after_forward": False})
 
 
+def apply_fsdp_experts(
+    experts: list[nn.Module],
+    mesh: DeviceMesh,
+    *,
+    reshard_after_forward: bool,
+    param_dtype: torch.dtype | None,
+) -> None:
+    """ZeRO for expert-parallel experts: FSDP2 over the ranks holding the same experts (`mesh`:
+    efsdp, or (dp_replicate, efsdp)), giving 2-D (efsdp, ep) parameters as torchtitan does.
+    Reduce-scatter averages their gradients over `mesh`; the trainer rescales them afterwards
+    (`set_gradient_divide_factor` would need PREMUL_SUM, which gloo lacks)."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for module in experts:
+        fully_shard(
+            module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward
+        )
+
+
 def apply_ddp(
     model: nn.Module, mesh: DeviceMesh, comm: CommConfig, ignored: list[str] | None = None
 ) -> DistributedDataParallel:

@@ -20,16 +20,15 @@ runs an all-to-all of the per-(rank, expert) counts (no gradient), then the rows
 combine all-to-alls with uneven splits (`all_to_all_single_autograd`); backward runs each of the
 two row all-to-alls with its splits swapped. The backward of dispatch is what sums rank r's
 expert weight gradients over all ep ranks' tokens: nothing else is reduced for the experts over
-ep. The dense parameters' data-parallel reduction is DDP's/FSDP's; the experts stay outside both
-and `reduce_expert_grads` sums their gradients over the ranks holding the same experts (`edp`).
+ep. Under FSDP the experts get an FSDP2 of their own over the ranks holding the same experts
+(`edp`); under DDP they stay outside it and `reduce_expert_grads` sums their gradients over edp.
 
 Weights are DTensors `Shard(0)` on the ep mesh (each rank stores only its L experts' local
 shards), not plain local tensors, because that is what composes: the state dict keeps the global
 [E, F, D] shapes under the unchanged names, so DCP saves every shard (plain same-named tensors
 would be deduplicated as replicas) and reshards across ep degrees, the HF key map still sees E
-experts after `full_tensor()`. FSDP2 on the `efsdp` mesh (a sibling of `ep` under one root) can
-shard them further as a 2-D (efsdp, ep) parameter, as torchtitan does; dstrain does not yet, so
-the `efsdp` ranks each hold a full copy of their ep rank's experts.
+experts after `full_tensor()`, and FSDP2 on the `efsdp` mesh (a sibling of `ep` under one root)
+shards them further as a 2-D (efsdp, ep) parameter, as torchtitan does.
 """
 
 import torch
@@ -139,3 +138,10 @@ def reduce_expert_grads(model: nn.Module, group: dist.ProcessGroup | None, scale
         if group is not None:
             dist.all_reduce(local, group=group)
         local.mul_(scale)
+
+
+def scale_expert_grads(model: nn.Module, scale: float) -> None:
+    """Multiply the experts' (already reduced, possibly sharded) gradients by `scale`."""
+    for _, param in expert_parameters(model):
+        if param.grad is not None:
+            param.grad.mul_(scale)

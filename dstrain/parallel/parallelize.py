@@ -12,11 +12,12 @@ Fixed order (torchtitan's), each step for a reason:
 import torch
 from torch import nn
 
+from dstrain.config.parallel_dims import ParallelDims
 from dstrain.config.schema import DstrainConfig
 from dstrain.model.transformer import Transformer
 from dstrain.parallel.activation_checkpoint import apply_ac
-from dstrain.parallel.data_parallel import apply_ddp, apply_fsdp
-from dstrain.parallel.expert_parallel import apply_ep, expert_parameters
+from dstrain.parallel.data_parallel import apply_ddp, apply_fsdp, apply_fsdp_experts
+from dstrain.parallel.expert_parallel import ExpertParallelExperts, apply_ep, expert_parameters
 from dstrain.parallel.mesh import Meshes
 from dstrain.parallel.tensor_parallel import apply_tp
 
@@ -39,22 +40,45 @@ def parallelize_model(
 
 
 def _apply_data_parallel(model: Transformer, config: DstrainConfig, meshes: Meshes) -> nn.Module:
-    """DDP or FSDP2 over the dp axes. Expert-parallel experts stay outside both: their gradients
-    are reduced by `reduce_expert_grads` over the ranks that hold the same experts."""
+    """DDP or FSDP2 over the dp axes. Expert-parallel experts get FSDP2 of their own over the
+    ranks that hold the same experts (ZeRO >= 2), or stay outside DDP and have their gradients
+    reduced by `reduce_expert_grads`."""
     p, dims = config.parallel, meshes.dims
     experts = dict(expert_parameters(model))
     if p.zero_stage <= 1:
         return apply_ddp(model, meshes["dp"], config.comm, ignored=list(experts))
+    param_dtype = torch.bfloat16 if config.train.precision == "bf16" else None
+    if experts_use_fsdp(config, dims):
+        emesh = meshes.sparse["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else meshes["efsdp"]
+        apply_fsdp_experts(
+            [m for m in model.modules() if isinstance(m, ExpertParallelExperts)],
+            emesh,
+            reshard_after_forward=p.zero_stage == 3,
+            param_dtype=param_dtype,
+        )
+        experts = {}  # now FSDP-managed: the blocks' fully_shard skips them
     mesh = meshes.dense["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else meshes["dp_shard"]
     apply_fsdp(
         model,
         mesh,
         reshard_after_forward=p.zero_stage == 3,
-        param_dtype=torch.bfloat16 if config.train.precision == "bf16" else None,
+        param_dtype=param_dtype,
         offload=p.offload_optimizer or p.offload_params,
         ignored=set(experts.values()),
     )
     return model
+
+
+def experts_use_fsdp(config: DstrainConfig, dims: ParallelDims) -> bool:
+    """Experts are ZeRO-sharded over the ranks holding the same experts when FSDP is on and
+    there is more than one such rank (without offload, which FSDP2 applies per module)."""
+    p = config.parallel
+    return (
+        dims.ep > 1
+        and p.zero_stage >= 2
+        and dims.efsdp * dims.dp_replicate > 1
+        and not (p.offload_optimizer or p.offload_params)
+    )
 
 
 def apply_compile(model: Transformer) -> None:

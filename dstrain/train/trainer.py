@@ -29,9 +29,9 @@ from dstrain.metrics.sinks import JsonlSink, Sink, TensorBoardSink
 from dstrain.model.flops import param_counts, training_flops_per_token
 from dstrain.model.transformer import build_model
 from dstrain.parallel.distributed import init_distributed
-from dstrain.parallel.expert_parallel import reduce_expert_grads
+from dstrain.parallel.expert_parallel import reduce_expert_grads, scale_expert_grads
 from dstrain.parallel.mesh import build_meshes
-from dstrain.parallel.parallelize import parallelize_model
+from dstrain.parallel.parallelize import experts_use_fsdp, parallelize_model
 from dstrain.train.loss_scale import LossScaler
 from dstrain.train.lr import build_scheduler
 from dstrain.train.optim import build_optimizer
@@ -118,10 +118,18 @@ class Trainer:
         return DataParallel(self.meshes["dp"].get_group(), self.dims.dp)
 
     def _finish_grads(self) -> None:
-        if self.dims.ep > 1:
-            edp = self.meshes["edp"]
-            group = edp.get_group() if edp.size() > 1 else None
-            reduce_expert_grads(self.model, group, 1.0 / (self.dims.dp * self.dims.tp))
+        """Each rank's expert gradient is dp x (its ep group's tokens, every tp copy of them):
+        summed over the ranks holding the same experts (edp) and divided by dp x tp, it is the
+        one-process gradient."""
+        if self.dims.ep == 1:
+            return
+        edp = self.meshes["edp"]
+        scale = 1.0 / (self.dims.dp * self.dims.tp)
+        if experts_use_fsdp(self.config, self.dims):
+            # FSDP already reduce-scattered them as an average over edp: undo the division.
+            scale_expert_grads(self.model, edp.size() * scale)
+        else:
+            reduce_expert_grads(self.model, edp.get_group() if edp.size() > 1 else None, scale)
 
     def _zero1_group(self):
         if self.config.parallel.zero_stage == 1 and self.dp.size > 1:

@@ -133,6 +133,12 @@ TWO_RANKS_ND = {
 FOUR_RANKS_ND = {
     "dp2_tp2": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.zero_stage=2"],
     "dp4_ep2": ["parallel.dp_shard=4", "parallel.ep=2", "parallel.zero_stage=3"],
+    "hsdp_ep2": [
+        "parallel.dp_replicate=2",
+        "parallel.dp_shard=2",
+        "parallel.ep=2",
+        "parallel.zero_stage=3",
+    ],
 }
 
 

@@ -120,10 +120,21 @@ def test_a_failing_worker_takes_the_job_down_with_its_rank(common):
 
 
 def test_resume_under_another_layout_is_refused_clearly(common):
-    first = _run("-m", "dstrain", "train", "--nproc", "2", *common, "--set", "run.name=layout",
-                 "--set", "parallel.ep=2")
+    first = _run(
+        "-m",
+        "dstrain",
+        "train",
+        "--nproc",
+        "2",
+        *common,
+        "--set",
+        "run.name=layout",
+        "--set",
+        "parallel.ep=2",
+    )
     assert first.returncode == 0, first.stderr
-    again = _run("-m", "dstrain", "train", *common, "--set", "run.name=layout",
-                 "--set", "train.steps=6")
+    again = _run(
+        "-m", "dstrain", "train", *common, "--set", "run.name=layout", "--set", "train.steps=6"
+    )
     assert again.returncode == 1 and "another layout" in again.stderr
     assert "Traceback" not in again.stderr
