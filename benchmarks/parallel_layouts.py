@@ -147,15 +147,7 @@ def _free_port() -> int:
 
 def dims_of(layout: Layout, common: list[str]) -> tuple[ParallelDims, int]:
     p = load_config(None, [*common, *layout.overrides]).config.parallel
-    dims = ParallelDims.resolve(
-        dp_replicate=p.dp_replicate,
-        dp_shard=p.dp_shard,
-        cp=p.cp,
-        tp=p.tp,
-        pp=p.pp,
-        ep=p.ep,
-        world_size=layout.ranks,
-    )
+    dims = ParallelDims.of(p, layout.ranks)
     return dims, p.zero_stage
 
 

@@ -16,6 +16,7 @@ it adds no ranks of its own.
 from dataclasses import dataclass
 
 from dstrain.config.findings import Finding, error, warning
+from dstrain.config.schema import ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,20 @@ class ParallelDims:
             others = dp_replicate * cp * tp * pp
             dp_shard = world_size // others if world_size % others == 0 else 0
         return cls(dp_replicate, dp_shard, cp, tp, pp, ep, world_size)
+
+    @classmethod
+    def of(cls, parallel: "ParallelConfig", world_size: int) -> "ParallelDims":
+        """The degrees of a config's `parallel` section on `world_size` ranks."""
+        p = parallel
+        return cls.resolve(
+            dp_replicate=p.dp_replicate,
+            dp_shard=p.dp_shard,
+            cp=p.cp,
+            tp=p.tp,
+            pp=p.pp,
+            ep=p.ep,
+            world_size=world_size,
+        )
 
     @property
     def dp(self) -> int:

@@ -34,15 +34,7 @@ class CheckTarget:
             world = p.dp_replicate * p.dp_shard * p.cp * p.tp * p.pp
         if world is None:
             return None
-        return ParallelDims.resolve(
-            dp_replicate=p.dp_replicate,
-            dp_shard=p.dp_shard,
-            cp=p.cp,
-            tp=p.tp,
-            pp=p.pp,
-            ep=p.ep,
-            world_size=world,
-        )
+        return ParallelDims.of(p, world)
 
     @property
     def batch(self) -> BatchPlan | None:

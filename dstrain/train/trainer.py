@@ -86,15 +86,7 @@ class Trainer:
 
     def _build_dims(self) -> ParallelDims:
         p = self.config.parallel
-        dims = ParallelDims.resolve(
-            dp_replicate=p.dp_replicate,
-            dp_shard=p.dp_shard,
-            cp=p.cp,
-            tp=p.tp,
-            pp=p.pp,
-            ep=p.ep,
-            world_size=self.world.world_size,
-        )
+        dims = ParallelDims.of(p, self.world.world_size)
         raise_if_errors(dims.validate())
         if dims.tp > 1 and dims.dp > 1 and p.zero_stage <= 1:
             raise UserError(
