@@ -61,7 +61,12 @@ def run(args: argparse.Namespace) -> int:
         overrides.append("checkpoint.resume=never")
     loaded = load_config(args.config, overrides)
     worker = "LOCAL_RANK" in os.environ  # started by torchrun
-    world = int(os.environ.get("WORLD_SIZE", "1")) if worker else args.nproc
+    if worker:
+        from dstrain.parallel.distributed import env_int  # imports torch: workers only
+
+        world = env_int("WORLD_SIZE", 1)
+    else:
+        world = args.nproc
     # The layout is checked before any process exists, with check's own rules.
     raise_if_errors(preflight(loaded, world_size=world))
     if args.nproc > 1 and not worker:

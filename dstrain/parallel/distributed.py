@@ -30,16 +30,12 @@ class World:
         return self.rank == 0
 
 
-def world_size_from_env() -> int:
-    return _env_int("WORLD_SIZE", 1)
-
-
 def init_distributed(comm: CommConfig) -> World:
     """Read torchrun's environment, pick the device and backend, and init the default group."""
     world_size, rank, local_rank = (
-        _env_int("WORLD_SIZE", 1),
-        _env_int("RANK", 0),
-        _env_int("LOCAL_RANK", 0),
+        env_int("WORLD_SIZE", 1),
+        env_int("RANK", 0),
+        env_int("LOCAL_RANK", 0),
     )
     backend = _backend(comm.backend)
     device = _device(backend, local_rank)
@@ -84,7 +80,8 @@ def _device(backend: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _env_int(name: str, default: int) -> int:
+def env_int(name: str, default: int) -> int:
+    """An integer environment variable (torchrun's RANK, WORLD_SIZE...), or a UserError."""
     raw = os.environ.get(name)
     if raw is None:
         return default
