@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dstrain.config.findings import Finding, error
+from dstrain.config.overrides import set_path
 
 AUTO = "auto"
 
@@ -27,11 +28,7 @@ class Imported:
 
     def set(self, dotted: str, value: Any, source: str | None = None) -> None:
         self.origins[dotted] = source or self.current
-        section, _, key = dotted.rpartition(".")
-        node = self.data
-        for part in section.split(".") if section else []:
-            node = node.setdefault(part, {})
-        node[key] = value
+        set_path(self.data, dotted.split("."), value)
 
 
 def as_int(value: Any, key: str, findings: list[Finding], minimum: int = 0) -> int | None:

@@ -21,18 +21,21 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """A copy of `data` with each override set at its dotted path (later ones win)."""
-    merged = _deep_copy(data)
+    merged = copy_tree(data)
     for text in overrides:
-        path, value = parse_override(text)
-        node = merged
-        for part in path[:-1]:
-            child = node.get(part)
-            if not isinstance(child, dict):
-                child = {}
-                node[part] = child
-            node = child
-        node[path[-1]] = value
+        set_path(merged, *parse_override(text))
     return merged
+
+
+def set_path(data: dict[str, Any], path: list[str], value: Any) -> None:
+    """Set data[p0][p1]...[pn] = value, making (or replacing non-table) sections on the way."""
+    node = data
+    for part in path[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+    node[path[-1]] = value
 
 
 def _parse_value(raw: str) -> Any:
@@ -44,5 +47,6 @@ def _parse_value(raw: str) -> Any:
         return raw
 
 
-def _deep_copy(data: dict[str, Any]) -> dict[str, Any]:
-    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in data.items()}
+def copy_tree(data: dict[str, Any]) -> dict[str, Any]:
+    """A copy of nested dicts (leaves shared), so a caller's config dict is never mutated."""
+    return {k: copy_tree(v) if isinstance(v, dict) else v for k, v in data.items()}

@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from dstrain.config.findings import Finding, error
+from dstrain.config.overrides import copy_tree
 from dstrain.config.schema import DstrainConfig
 from dstrain.config.suggest import did_you_mean
 from dstrain.errors import UserError
@@ -19,7 +20,7 @@ _MAX_PASSES = 50
 def build_config(data: dict[str, Any]) -> tuple[DstrainConfig, list[Finding]]:
     """Validate `data`; return the config (with bad keys at their defaults) and the findings."""
     findings: list[Finding] = []
-    current = _copy(data)
+    current = copy_tree(data)
     for _ in range(_MAX_PASSES):
         try:
             return DstrainConfig.model_validate(current), findings
@@ -82,7 +83,3 @@ def _drop(data: dict[str, Any], loc: tuple[Any, ...]) -> None:
         parent, key, node = node, part, node[part]
     if parent is not None:
         parent.pop(key)
-
-
-def _copy(data: dict[str, Any]) -> dict[str, Any]:
-    return {k: _copy(v) if isinstance(v, dict) else v for k, v in data.items()}
