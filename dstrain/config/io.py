@@ -32,12 +32,8 @@ def read_text(path: Path) -> str:
         raise UserError(f"cannot read {path}: {exc.strerror}", "check its permissions") from None
 
 
-def read_config_file(path: Path) -> dict[str, Any]:
-    """Parse `path` by its extension (or by content when it has none) into a dict."""
-    return parse_config_text(read_text(path), path)
-
-
 def parse_config_text(text: str, path: Path) -> dict[str, Any]:
+    """Parse a config file's text by `path`'s extension (or by content when it has none)."""
     kind = _FORMATS.get(path.suffix.lower()) or _sniff(text)
     data = parse_text(text, kind, str(path))
     if data is None:
