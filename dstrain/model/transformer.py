@@ -76,11 +76,17 @@ class Transformer(nn.Module):
             if args.num_mtp_modules
             else None
         )
+        # Under pipeline parallelism the last stage holds MTP but not `embed`: it gets a copy of
+        # the embedding here, whose gradient the pipeline sums with the original's (a tied pair).
+        self.mtp_embed: nn.Embedding | None = None
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    def forward(
+        self, tokens: torch.Tensor, next_tokens: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """tokens [B, S] -> logits [B, S, V]; with MTP, (logits, mtp_1 [B, S-1, V], ...).
 
-        A stage without the embedding takes hidden states [B, S, D] instead of token ids.
+        A stage without the embedding takes hidden states [B, S, D] instead of token ids; a last
+        stage with MTP then needs `next_tokens` [B, S] (token i+1 at position i: the labels).
         """
         h = self.embed(tokens) if self.embed is not None else tokens
         cos, sin = self.rope(h.size(1))
@@ -91,15 +97,19 @@ class Transformer(nn.Module):
         logits = self.head(self.norm(h) if self.norm is not None else h)
         if self.mtp is None:
             return logits
-        return (logits, *self._mtp_logits(h, tokens))
+        if next_tokens is None:
+            next_tokens = tokens[:, 1:]
+        return (logits, *self._mtp_logits(h, next_tokens[:, : h.size(1) - 1]))
 
-    def _mtp_logits(self, h: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
-        emb = self.embed(tokens)
+    def _mtp_logits(self, h: torch.Tensor, next_tokens: torch.Tensor) -> list[torch.Tensor]:
+        """next_tokens [B, S-1]: the tokens at positions 1..S-1."""
+        embed = self.mtp_embed if self.mtp_embed is not None else self.embed
+        emb = embed(next_tokens)
         outputs = []
         for module in self.mtp.values():
             k = module.depth
             cos, sin = self.rope(h.size(1) - 1)
-            h = module(h[:, :-1], emb[:, k:], cos, sin)
+            h = module(h[:, :-1], emb[:, k - 1 :], cos, sin)
             outputs.append(self.head(module.norm(h)))
         return outputs
 

@@ -8,6 +8,7 @@ define hysteresis and a minimum scale that GradScaler has no notion of.
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from dstrain.config.schema import LossScaleConfig
 
@@ -25,14 +26,21 @@ class LossScaler:
     def loss_multiplier(self) -> float:
         return self.scale if self.enabled else 1.0
 
-    def unscale_and_check(self, params: list[torch.Tensor]) -> bool:
-        """Divide gradients by the scale; True when they are all finite (the step may run)."""
+    def unscale_and_check(
+        self, params: list[torch.Tensor], group: dist.ProcessGroup | None = None
+    ) -> bool:
+        """Divide gradients by the scale; True when they are all finite (the step may run).
+        `group`: the pipeline ranks, which hold other parameters and must skip together."""
         if not self.enabled:
             return True
         grads = [p.grad for p in params if p.grad is not None]
         torch._foreach_mul_(grads, 1.0 / self.scale)
+        finite_t = torch.stack([g.isfinite().all() for g in grads]).all() if grads else None
+        finite_t = torch.ones((), dtype=torch.int32) if finite_t is None else finite_t.int().cpu()
+        if group is not None:
+            dist.all_reduce(finite_t, op=dist.ReduceOp.MIN, group=group)
         # Host sync: whether to skip this step must be known on the CPU.
-        finite = bool(torch.stack([g.isfinite().all() for g in grads]).all()) if grads else True
+        finite = bool(finite_t)
         self._update(finite)
         return finite
 

@@ -73,10 +73,10 @@ def train_step(
     DP wrappers do not do (expert-parallel experts)."""
     device = next(model.parameters()).device
     labels = [mb[:, 1:].to(device) for mb in micro_batches]
-    counts = _global_counts(labels, num_mtp, dp)
+    counts = global_counts(labels, num_mtp, dp)
     # The balance loss enters backward on its own (AddAuxiliaryLoss): loss-scaled like the main
     # loss, averaged over micro-batches, and (unlike the main loss) averaged over dp by DDP/FSDP.
-    _set_aux_scale(model, scaler.loss_multiplier() / len(micro_batches))
+    set_aux_scale(model, scaler.loss_multiplier() / len(micro_batches))
     loss = torch.zeros((), device=device)
     mtp_loss = torch.zeros((), device=device) if num_mtp else None
     for i, (mb, lab) in enumerate(zip(micro_batches, labels, strict=True)):
@@ -101,21 +101,36 @@ def train_step(
     return StepResult(loss, mtp_loss, grad_norm, not finite, counts.per_depth[0], load)
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(
+    params: list[torch.Tensor],
+    max_norm: float,
+    *,
+    pp_group: dist.ProcessGroup | None = None,
+    uncounted: frozenset[torch.Tensor] = frozenset(),
+) -> torch.Tensor:
     """The global gradient norm, clipped to max_norm when max_norm > 0; returns the norm before
     clipping. Gradients may be plain tensors and DTensors on several meshes (FSDP, TP, EP): each
-    kind's squared norm is summed over its shards (an all-reduce per kind), then combined."""
+    kind's squared norm is summed over its shards (an all-reduce per kind), then combined, and
+    summed over the pipeline stages (`pp_group`). `uncounted` parameters (the MTP copy of a tied
+    embedding, whose gradient the original already counts) are clipped but not counted."""
     by_kind: dict[object, list[torch.Tensor]] = {}
     for p in params:
         key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
         by_kind.setdefault(key, []).append(p.grad)
-    squares = []
+    device = params[0].grad.device if params else torch.device("cpu")
+    squares = [torch.zeros((), device=device)]
     for grads in by_kind.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        counted = [g for g in grads if not any(g is p.grad for p in uncounted)]
+        if not counted:
+            continue
+        norm = torch.nn.utils.get_total_norm(counted, norm_type=2.0, foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        squares.append(norm.float() ** 2)
-    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+        squares.append(norm.float().to(device) ** 2)
+    total_sq = torch.stack(squares).sum()
+    if pp_group is not None:
+        dist.all_reduce(total_sq, group=pp_group)
+    total = total_sq.sqrt()
     if max_norm > 0:
         # Host sync: one scale factor for plain tensors and DTensors alike.
         scale = min(1.0, max_norm / (total.item() + 1e-6))
@@ -141,7 +156,7 @@ def update_balancing_bias(
     return loads
 
 
-def _global_counts(labels: list[torch.Tensor], num_mtp: int, dp: DataParallel) -> TokenCounts:
+def global_counts(labels: list[torch.Tensor], num_mtp: int, dp: DataParallel) -> TokenCounts:
     local = TokenCounts.of(labels, num_mtp)
     if dp.size == 1:
         return local
@@ -156,6 +171,6 @@ def _no_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def _set_aux_scale(model: nn.Module, scale: float) -> None:
+def set_aux_scale(model: nn.Module, scale: float) -> None:
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         moe.aux_loss_scale = scale

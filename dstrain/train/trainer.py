@@ -25,16 +25,20 @@ from dstrain.data.build import build_dataset
 from dstrain.data.loader import DataLoader
 from dstrain.errors import UserError
 from dstrain.metrics.peak import peak_flops
+from dstrain.metrics.pipeline_timer import PipelineTimer
 from dstrain.metrics.sinks import JsonlSink, Sink, TensorBoardSink
 from dstrain.model.flops import param_counts, training_flops_per_token
 from dstrain.model.transformer import build_model
 from dstrain.parallel.distributed import init_distributed
+from dstrain.planner.bubble import Costs, theoretical_bubble
 from dstrain.parallel.expert_parallel import reduce_expert_grads, scale_expert_grads
 from dstrain.parallel.mesh import build_meshes
 from dstrain.parallel.parallelize import experts_use_fsdp, parallelize_model
+from dstrain.parallel.pipeline import Pipeline, build_pipeline
 from dstrain.train.loss_scale import LossScaler
 from dstrain.train.lr import build_scheduler
 from dstrain.train.optim import build_optimizer
+from dstrain.train.pipeline_step import pipeline_step
 from dstrain.train.progress import TrainProgress, log
 from dstrain.train.step import DataParallel, StepResult, train_step
 
@@ -47,6 +51,7 @@ class RunSummary:
     mfu: float
     peak_rss_mb: float
     wall_s: float
+    pipeline_bubble_fraction: float | None = None  # mean over the logged windows
 
 
 class Trainer:
@@ -64,7 +69,9 @@ class Trainer:
         self.tokenizer, self.dataset = build_dataset(
             config.data, vocab_size=self.model_args.vocab_size, seq_len=config.train.seq_len
         )
+        self.pipeline: Pipeline | None = None
         self.model = self._build_model()
+        self.pipeline_timer = self._build_pipeline_timer()
         self.optimizer = build_optimizer(self.model, config.optim, zero1_group=self._zero1_group())
         self.scheduler = build_scheduler(self.optimizer, config.lr, config.train.steps)
         self.scaler = LossScaler(config.train.loss_scale, config.train.precision == "fp16")
@@ -138,10 +145,23 @@ class Trainer:
         return plan
 
     def _build_model(self) -> torch.nn.Module:
+        """The module to train, or under PP this rank's stages seen as one module."""
         # Every rank materializes the full model from the same seed, then shards it: identical
         # initial weights to a one-process run (parity), at the cost of one full copy per rank.
         model = build_model(self.model_args, self.device)
-        return parallelize_model(model, self.config, self.meshes)
+        if self.dims.pp == 1:
+            return parallelize_model(model, self.config, self.meshes)
+        self.pipeline = build_pipeline(
+            model, self.config, self.meshes, microbatches=self.batch.grad_accum_steps
+        )
+        return self.pipeline.model
+
+    def _build_pipeline_timer(self) -> PipelineTimer | None:
+        if self.pipeline is None:
+            return None
+        timer = PipelineTimer(self.pipeline.group)
+        timer.instrument(self.pipeline.stages)
+        return timer
 
     def _build_loader(self) -> DataLoader:
         dp_rank = self.meshes["dp"].get_local_rank() if self.dp.size > 1 else 0
@@ -286,10 +306,7 @@ class Trainer:
     def _one_step(self) -> StepResult:
         t, args = self.config.train, self.model_args
         self.model.train()
-        result = train_step(
-            self.model,
-            self.optimizer,
-            self.loader.next_step(),
+        common = dict(
             scaler=self.scaler,
             precision=t.precision,
             grad_clip=t.grad_clip,
@@ -299,6 +316,17 @@ class Trainer:
             dp=self.dp,
             finish_grads=self._finish_grads,
         )
+        if self.pipeline is not None:
+            result = pipeline_step(
+                self.pipeline,
+                self.optimizer,
+                self.loader.next_step(),
+                num_experts=args.num_routed_experts,
+                timer=self.pipeline_timer,
+                **common,
+            )
+        else:
+            result = train_step(self.model, self.optimizer, self.loader.next_step(), **common)
         if not result.skipped:
             self.scheduler.step()
         self.step += 1
@@ -322,10 +350,35 @@ class Trainer:
             metrics["optim/loss_scale"] = self.scaler.scale
         if self.peak:
             metrics["throughput/mfu"] = per_device * self.flops_per_token / self.peak
+        if self.pipeline_timer is not None:
+            metrics.update(self._pipeline_metrics())
         for name, load in result.expert_load.items():
             if load.sum() > 0:
                 metrics[f"moe/{name}/max_over_mean"] = (load.max() / load.mean()).item()
         return metrics
+
+    def _pipeline_metrics(self) -> dict[str, float]:
+        """Measured bubble and per-action times, with the schedule's theoretical bubble for the
+        measured costs beside it."""
+        figures = self.pipeline_timer.collect()
+        p = self.config.parallel
+        forward = figures.get("pipeline/time_f_ms", 0.0)
+        # Split schedules time the input-gradient half (I) and W; the others a full backward (B).
+        backward = figures.get("pipeline/time_i_ms") or figures.get("pipeline/time_b_ms", 0.0)
+        weight = figures.get("pipeline/time_w_ms", 0.0)
+        if forward > 0:
+            figures["pipeline/bubble_fraction_theory"] = theoretical_bubble(
+                p.pp_schedule,
+                self.dims.pp,
+                self.batch.grad_accum_steps,
+                p.num_virtual_stages,
+                Costs(forward, backward, weight),
+            )
+        return figures
+
+    def _mean_bubble(self) -> float | None:
+        windows = self.pipeline_timer.run_bubble if self.pipeline_timer is not None else []
+        return sum(windows) / len(windows) if windows else None
 
     def _finish(self, start: int, started: float, last: StepResult | None) -> RunSummary:
         wall = time.perf_counter() - started
@@ -342,6 +395,7 @@ class Trainer:
             ),
             peak_rss_mb=_peak_rss_mb(),
             wall_s=wall,
+            pipeline_bubble_fraction=self._mean_bubble(),
         )
         if self.world.is_main:
             summary_path = self.run_dir / "summary.json"

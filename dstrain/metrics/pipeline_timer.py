@@ -1,0 +1,95 @@
+"""The measured pipeline bubble: every pipeline action (F, B, I, W and the loss) timed on every rank.
+
+Why our own: upstream schedules have no timing API (their actions only run under
+`record_function`, visible to a profiler but not to the training loop), so the timer wraps the
+stage methods the schedules call: `forward_one_chunk` (F), `backward_one_chunk` (B for a full
+backward, I for the input-gradient half), `backward_weight_one_chunk` (W).
+
+Definition (the one the closed forms use): each step, the ranks of a pipeline line up at a barrier,
+run the schedule, and line up again. The interval between the barriers is the pipeline-busy
+interval; what a rank did not spend computing in it (waiting for activations or gradients,
+send/recv, the cool-down wait for the other ranks) is its bubble:
+
+    bubble_fraction = 1 - sum over ranks(compute) / (pp x interval)
+
+which is the mean over the pipeline ranks of each rank's idle share.
+"""
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+KINDS = ("F", "B", "I", "W", "L")  # L: the loss function on the last stage
+
+
+class PipelineTimer:
+    """Accumulates compute time per action kind and the busy interval, over a logging window."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.window = torch.zeros(2 + 2 * len(KINDS), dtype=torch.float64)
+        self.run_bubble: list[float] = []
+        self._t0 = 0.0
+
+    def instrument(self, stages: list[Any]) -> None:
+        """Time the stage methods the schedules call (instance attributes shadow the methods)."""
+        for stage in stages:
+            stage.forward_one_chunk = self._timed(stage.forward_one_chunk, lambda *a, **k: "F")
+            stage.backward_one_chunk = self._timed(stage.backward_one_chunk, _backward_kind)
+            stage.backward_weight_one_chunk = self._timed(
+                stage.backward_weight_one_chunk, lambda *a, **k: "W"
+            )
+
+    def timed_loss(self, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        return self._timed(fn, lambda *a, **k: "L")
+
+    def start(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+        self.window[0] += time.perf_counter() - self._t0
+        self.window[1] += 1
+
+    def collect(self) -> dict[str, float]:
+        """The window's figures, identical on every pipeline rank (one all-reduce), then reset:
+        bubble fraction and the mean milliseconds per F, B, I and W action."""
+        totals = self.window.clone()
+        self.window.zero_()
+        if self.group is not None:
+            dist.all_reduce(totals, group=self.group)
+        # Summed over the ranks: the interval is pp x the busy interval, as the definition needs.
+        interval, sums = totals[0].item(), totals[2::2]
+        if interval <= 0:
+            return {}
+        figures = {"pipeline/bubble_fraction": max(0.0, 1.0 - sums.sum().item() / interval)}
+        self.run_bubble.append(figures["pipeline/bubble_fraction"])
+        for i, kind in enumerate(KINDS[:4]):
+            count = totals[3 + 2 * i].item()
+            if count:
+                figures[f"pipeline/time_{kind.lower()}_ms"] = 1000 * sums[i].item() / count
+        return figures
+
+    def _timed(self, fn: Callable[..., Any], kind_of: Callable[..., str]) -> Callable[..., Any]:
+        slot = {kind: 2 + 2 * i for i, kind in enumerate(KINDS)}
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                at = slot[kind_of(*args, **kwargs)]
+                self.window[at] += time.perf_counter() - start
+                self.window[at + 1] += 1
+
+        return timed
+
+
+def _backward_kind(*args: Any, full_backward: bool = True, **kwargs: Any) -> str:
+    return "B" if full_backward else "I"

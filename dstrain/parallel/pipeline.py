@@ -1,0 +1,263 @@
+"""Pipeline parallelism: the model cut into stages by layer name, one upstream `PipelineStage` per
+chunk, and the schedule from `torch.distributed.pipelining` by name.
+
+Stages. `num_stages = pp x v` chunks of consecutive layers; stage s lives on pp rank s % pp
+(looped schedules: rank r holds r, r+pp, ...), except for the V-shaped schedules, where rank r
+holds stages r and 2pp-1-r (upstream requires it and does not check it). The first stage keeps the
+embedding, the last the final norm, head and MTP modules; `pp_first/last_stage_less_layers` give
+those stages fewer blocks to pay for them.
+
+MTP under PP. The MTP modules need the embedding of the next tokens, but the embedding lives on the
+first stage. The last stage gets its own copy (`mtp_embed`), initialized from the same weights;
+after every backward the two gradients are summed (`TiedEmbedding`), so both copies take the same
+optimizer step and stay equal: Megatron's treatment of tied embeddings. The next tokens reach the
+last stage as the `next_tokens` keyword of `schedule.step` on that rank (upstream passes keywords
+to every stage of the rank that gives them).
+
+Ranks call `schedule.step` with what their stages need: token ids on the rank of stage 0, labels
+(`target`) on the rank of the last stage. The loss function runs on the last stage, per micro-batch.
+"""
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.tensor import DTensor
+
+from dstrain.config.schema import DstrainConfig
+from dstrain.errors import UserError
+from dstrain.model.transformer import Transformer
+from dstrain.parallel.mesh import Meshes
+from dstrain.parallel.parallelize import parallelize_model
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+V_SHAPED = ("zbv", "dualpipev")
+
+
+def stage_indices(schedule: str, pp: int, virtual_stages: int, rank: int) -> list[int]:
+    """The stages pp rank `rank` holds, in the order its chunks are built."""
+    if schedule in V_SHAPED:
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + k * pp for k in range(virtual_stages)]
+
+
+def split_layers(num_layers: int, num_stages: int, first_less: int, last_less: int) -> list[range]:
+    """Consecutive layer ids per stage: equal shares of num_layers + first_less + last_less, the
+    first stage `first_less` short and the last `last_less` short (the same rule as `check`)."""
+    total = num_layers + first_less + last_less
+    per = total // num_stages
+    sizes = [per] * num_stages
+    sizes[0] -= first_less
+    sizes[-1] -= last_less
+    if total % num_stages or min(sizes) < 0:
+        raise UserError(
+            f"{num_layers} layers (+{first_less} first, +{last_less} last trimmed) do not split "
+            f"evenly over {num_stages} pipeline stages",
+            "run `dstrain check` on the config: it proposes pp_first/last_stage_less_layers",
+            exit_code=1,
+        )
+    starts = [sum(sizes[:i]) for i in range(num_stages)]
+    return [range(start, start + size) for start, size in zip(starts, sizes, strict=True)]
+
+
+def carve_stage(model: Transformer, layers: range, *, first: bool, last: bool) -> Transformer:
+    """A Transformer holding `model`'s modules for one stage (shared, not copied), except the
+    last stage's MTP embedding, which is a copy (see the module docstring)."""
+    with torch.device("meta"):
+        chunk = Transformer(model.args)  # a skeleton; every module below is replaced
+    chunk.rope = model.rope
+    chunk.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
+    chunk.embed = model.embed if first else None
+    chunk.norm = model.norm if last else None
+    chunk.head = model.head if last else None
+    chunk.mtp = model.mtp if last else None
+    if last and model.mtp is not None and not first:
+        chunk.mtp_embed = copy.deepcopy(model.embed)
+    return chunk
+
+
+class PipelineModel(nn.Module):
+    """This rank's stage chunks seen as one module, with the one-process model's parameter names
+    (`layers.3.attention...`), for the optimizer, state dicts, checkpoints and MoE statistics.
+    The schedule runs the chunks; this module is never called."""
+
+    def __init__(self, chunks: list[Transformer]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict()
+        for chunk in chunks:
+            for name, module in ("embed", chunk.embed), ("norm", chunk.norm), ("head", chunk.head):
+                if module is not None:
+                    self.add_module(name, module)
+            if chunk.mtp is not None:
+                self.mtp = chunk.mtp
+            if chunk.mtp_embed is not None:
+                self.mtp_embed = chunk.mtp_embed
+            self.layers.update(chunk.layers)
+
+    def forward(self, *args: object) -> None:
+        raise RuntimeError("a pipeline model runs through its schedule, not by calling it")
+
+
+@dataclass
+class TiedEmbedding:
+    """The embedding of the first stage and its MTP copy on the last stage. `group` joins the two
+    ranks holding them (None: one rank holds both)."""
+
+    first: nn.Embedding | None
+    copy: nn.Embedding | None
+    group: dist.ProcessGroup | None
+
+    def sum_grads(self) -> None:
+        """Both copies get the gradient of the one shared embedding: the sum of the two."""
+        if self.group is None:
+            if self.first is not None and self.copy is not None:
+                total = _local(self.first.weight.grad) + _local(self.copy.weight.grad)
+                _local(self.first.weight.grad).copy_(total)
+                _local(self.copy.weight.grad).copy_(total)
+            return
+        mine = self.first if self.first is not None else self.copy
+        if mine is not None:
+            dist.all_reduce(_local(mine.weight.grad), group=self.group)
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    return grad._local_tensor if isinstance(grad, DTensor) else grad
+
+
+@dataclass
+class Pipeline:
+    """What the training step needs from the pipeline on this rank."""
+
+    schedule: object  # an upstream _PipelineSchedule
+    stages: list[PipelineStage]
+    model: PipelineModel
+    group: dist.ProcessGroup
+    loss: "PipelineLoss"
+    tied: TiedEmbedding | None
+    router_names: list[str] = field(default_factory=list)
+
+    @property
+    def has_first(self) -> bool:
+        return any(stage.is_first for stage in self.stages)
+
+    @property
+    def has_last(self) -> bool:
+        return any(stage.is_last for stage in self.stages)
+
+
+class PipelineLoss:
+    """The schedule's loss function, called on the last stage once per micro-batch. The step sets
+    `fn` (outputs, labels) -> (loss to back-propagate, detached parts) before each
+    `schedule.step`; the parts of the real micro-batches add up in `parts`."""
+
+    def __init__(self) -> None:
+        self.fn: Callable[[object, torch.Tensor], tuple[torch.Tensor, dict]] | None = None
+        self.parts: dict[str, torch.Tensor] = {}
+        self.inferring = False
+
+    def __call__(self, outputs: object, labels: torch.Tensor) -> torch.Tensor:
+        assert self.fn is not None, "PipelineLoss.fn is set by the step before schedule.step"
+        total, parts = self.fn(outputs, labels)
+        if not self.inferring:
+            for key, value in parts.items():
+                self.parts[key] = self.parts[key] + value if key in self.parts else value
+        return total
+
+
+def _quiet_metadata_inference(schedule: object, loss: PipelineLoss, model: nn.Module) -> None:
+    """Upstream infers the stages' shapes on the first `step` by running each stage's forward
+    (real tokens on stage 0, uninitialized tensors elsewhere) and the loss function once more.
+    Those calls must not count: the loss ignores them, and the routers forget the tokens they
+    counted. Hooked on `_initialize_pp_stages`, which Single and Multi schedules both call."""
+    original = schedule._initialize_pp_stages  # type: ignore[attr-defined]
+    routers = [m for m in model.modules() if type(m).__name__ == "Router"]
+
+    def initialize(*args: object, **kwargs: object) -> object:
+        loss.inferring = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            loss.inferring = False
+            for router in routers:
+                router.tokens_per_expert.zero_()
+
+    schedule._initialize_pp_stages = initialize  # type: ignore[attr-defined]
+
+
+def build_pipeline(
+    model: Transformer, config: DstrainConfig, meshes: Meshes, microbatches: int
+) -> Pipeline:
+    """Carve this rank's stages out of the (materialized) full model, parallelize each chunk on
+    the non-pp axes, wrap each in a `PipelineStage` and build the schedule.
+
+    Every rank passes the full model: carving the same initialized weights keeps parity with a
+    one-process run."""
+    p = config.parallel
+    pp_mesh = meshes["pp"]
+    pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    v = 2 if p.pp_schedule in V_SHAPED else p.num_virtual_stages
+    num_stages = pp * v
+    layers = split_layers(
+        model.args.num_layers, num_stages, p.pp_first_stage_less_layers, p.pp_last_stage_less_layers
+    )
+    router_names = [n for n, m in model.named_modules() if type(m).__name__ == "Router"]
+    mine = stage_indices(p.pp_schedule, pp, v, rank)
+    chunks = [
+        carve_stage(model, layers[s], first=s == 0, last=s == num_stages - 1) for s in mine
+    ]
+    union = PipelineModel(chunks)  # before DDP wrapping: the names stay the model's own
+    tied = _tie_embeddings(union, meshes, p.pp_schedule) if model.mtp is not None else None
+    device = next(model.parameters()).device
+    stages = [
+        PipelineStage(
+            parallelize_model(chunk, config, meshes), s, num_stages, device, group=pp_mesh.get_group()
+        )
+        for s, chunk in zip(mine, chunks, strict=True)
+    ]
+    loss = PipelineLoss()
+    schedule_class = SCHEDULES[p.pp_schedule]
+    schedule = schedule_class(
+        stages if v > 1 or p.pp_schedule in V_SHAPED else stages[0],
+        n_microbatches=microbatches,
+        loss_fn=loss,
+        scale_grads=False,  # the loss is already normalized by global token counts
+    )
+    _quiet_metadata_inference(schedule, loss, union)
+    return Pipeline(schedule, stages, union, pp_mesh.get_group(), loss, tied, router_names)
+
+
+def _tie_embeddings(union: PipelineModel, meshes: Meshes, schedule: str) -> TiedEmbedding:
+    """Pair the first stage's embedding with the last stage's MTP copy. V-shaped schedules keep
+    both on pp rank 0; otherwise they are on pp ranks 0 and pp-1, and each such pair of ranks
+    (one per coordinate of the other axes) gets a 2-rank group. Every rank must create every
+    group, in the same order (`new_group` is collective)."""
+    first = getattr(union, "embed", None)
+    mtp_copy = getattr(union, "mtp_embed", None)
+    pp = meshes.dims.pp
+    if schedule in V_SHAPED or pp == 1:
+        return TiedEmbedding(first, mtp_copy, None)
+    lines = meshes.dense.mesh.reshape(pp, -1)
+    me, group = dist.get_rank(), None
+    for column in lines.T.tolist():
+        pair = [column[0], column[-1]]
+        created = dist.new_group(pair)
+        if me in pair:
+            group = created
+    return TiedEmbedding(first, mtp_copy, group)

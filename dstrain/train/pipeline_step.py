@@ -1,0 +1,112 @@
+"""One optimizer step under pipeline parallelism: the same maths as `train_step`, with the
+micro-batch loop run by the upstream schedule instead of a Python for-loop.
+
+Who gives what to `schedule.step`: the rank of stage 0 the token ids, the rank of the last stage
+the labels (`target`) and, with MTP, the next tokens. The loss of each micro-batch is computed on
+the last stage, normalized by the global token counts (which every rank computes from its own copy
+of the batch: the pp ranks of one data-parallel rank load the same samples). After the step, one
+all-reduce over the pipeline gives every rank the loss, and the gradient norm, the overflow check
+and the MoE statistics each span the pipeline ranks.
+"""
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from dstrain.metrics.pipeline_timer import PipelineTimer
+from dstrain.parallel.pipeline import Pipeline
+from dstrain.train.loss import loss_terms
+from dstrain.train.loss_scale import LossScaler
+from dstrain.train.step import (
+    DataParallel,
+    StepResult,
+    autocast,
+    clip_grad_norm,
+    global_counts,
+    set_aux_scale,
+    update_balancing_bias,
+)
+
+
+def pipeline_step(
+    pipe: Pipeline,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[torch.Tensor],
+    *,
+    scaler: LossScaler,
+    precision: str,
+    grad_clip: float,
+    mtp_weight: float,
+    num_mtp: int,
+    num_experts: int,
+    bias_update_speed: float,
+    dp: DataParallel,
+    timer: PipelineTimer,
+    finish_grads: Callable[[], None] | None = None,
+) -> StepResult:
+    device = next(pipe.model.parameters()).device
+    counts = global_counts([mb[:, 1:].to(device) for mb in micro_batches], num_mtp, dp)
+    multiplier = scaler.loss_multiplier()
+    set_aux_scale(pipe.model, multiplier / len(micro_batches))
+
+    def loss_fn(outputs: object, labels: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        total, parts = loss_terms(outputs, labels, counts, mtp_weight)
+        return total * (multiplier * dp.size), parts
+
+    pipe.loss.fn = timer.timed_loss(loss_fn)
+    pipe.loss.parts = {}
+    batch = torch.cat(micro_batches).to(device)  # the schedule splits it back into micro-batches
+    args = (batch[:, :-1],) if pipe.has_first else ()
+    kwargs = {"next_tokens": batch[:, 1:]} if pipe.has_last and num_mtp else {}
+    target = batch[:, 1:] if pipe.has_last else None
+    timer.start()
+    # Autocast around the whole step: upstream runs forward and backward inside `step`; backward
+    # ops keep the dtypes their forward chose, so this equals autocasting the forwards only.
+    with autocast(precision, device):
+        pipe.schedule.step(*args, target=target, return_outputs=False, **kwargs)
+    timer.stop()
+    if pipe.tied is not None:
+        pipe.tied.sum_grads()
+    if finish_grads is not None:
+        finish_grads()
+    params = [p for p in pipe.model.parameters() if p.grad is not None]
+    finite = scaler.unscale_and_check(params, group=pipe.group)
+    grad_norm = clip_grad_norm(params, grad_clip, pp_group=pipe.group, uncounted=_uncounted(pipe))
+    if finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    load = update_balancing_bias(pipe.model, bias_update_speed, dp)
+    zero = torch.zeros((), device=device)
+    sums = torch.stack([pipe.loss.parts.get(k, zero) for k in ("main", "mtp")])
+    dist.all_reduce(sums, group=pipe.group)  # the loss lives on the last stage's rank
+    sums = dp.sum(sums)
+    return StepResult(
+        loss=sums[0],
+        mtp_loss=sums[1] if num_mtp else None,
+        grad_norm=grad_norm,
+        skipped=not finite,
+        tokens=counts.per_depth[0],
+        expert_load=_gather_loads(load, pipe, num_experts, device),
+    )
+
+
+def _uncounted(pipe: Pipeline) -> frozenset[torch.Tensor]:
+    copy = pipe.tied.copy if pipe.tied is not None else None
+    return frozenset([copy.weight]) if copy is not None else frozenset()
+
+
+def _gather_loads(
+    load: dict[str, torch.Tensor], pipe: Pipeline, num_experts: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Every router's load on every pipeline rank (each rank counted only its own layers)."""
+    if not pipe.router_names:
+        return {}
+    table = torch.zeros(len(pipe.router_names), num_experts, device=device)
+    rows = {name: row for row, name in enumerate(pipe.router_names)}
+    for name, counts in load.items():
+        # Activation checkpointing and compile wrap blocks: drop their name parts.
+        plain = name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
+        table[rows[plain]] = counts.to(table.dtype)
+    dist.all_reduce(table, group=pipe.group)
+    return dict(zip(pipe.router_names, table, strict=True))
