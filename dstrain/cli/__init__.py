@@ -5,11 +5,20 @@ import sys
 from collections.abc import Sequence
 
 from dstrain import __version__
-from dstrain.cli import check, ckpt, config_cmd, convert, loss_compare, not_built, train
+from dstrain.cli import (
+    check,
+    ckpt,
+    config_cmd,
+    convert,
+    loss_compare,
+    not_built,
+    schedule,
+    train,
+)
 from dstrain.cli.common import run_guarded
 
 # Each module has `register(subparsers)`, which adds its subcommand(s) and sets `func`.
-COMMANDS = (check, convert, config_cmd, train, ckpt, loss_compare, not_built)
+COMMANDS = (check, convert, config_cmd, train, ckpt, loss_compare, schedule, not_built)
 
 
 def build_parser() -> argparse.ArgumentParser:

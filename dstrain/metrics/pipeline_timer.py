@@ -1,4 +1,4 @@
-"""The measured pipeline bubble: every pipeline action (F, B, I, W and the loss) timed on every rank.
+"""The measured pipeline bubble: every pipeline action (F, B, I, W, the loss) timed on each rank.
 
 Why our own: upstream schedules have no timing API (their actions only run under
 `record_function`, visible to a profiler but not to the training loop), so the timer wraps the

@@ -18,6 +18,7 @@ Ranks call `schedule.step` with what their stages need: token ids on the rank of
 (`target`) on the rank of the last stage. The loss function runs on the last stage, per micro-batch.
 """
 
+import contextlib
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from dstrain.config.schema import DstrainConfig
 from dstrain.errors import UserError
@@ -181,18 +183,26 @@ class PipelineLoss:
         return total
 
 
-def _quiet_metadata_inference(schedule: object, loss: PipelineLoss, model: nn.Module) -> None:
+def _quiet_metadata_inference(
+    schedule: object, loss: PipelineLoss, model: nn.Module, stages: list[PipelineStage]
+) -> None:
     """Upstream infers the stages' shapes on the first `step` by running each stage's forward
     (real tokens on stage 0, uninitialized tensors elsewhere) and the loss function once more.
-    Those calls must not count: the loss ignores them, and the routers forget the tokens they
-    counted. Hooked on `_initialize_pp_stages`, which Single and Multi schedules both call."""
+    Those calls must not count: the loss ignores them, the routers forget the tokens they
+    counted, and DDP must not arm its gradient hooks for them (it would then record every
+    parameter twice and fail its bucket rebuild on the second step). Hooked on
+    `_initialize_pp_stages`, which Single and Multi schedules both call."""
     original = schedule._initialize_pp_stages  # type: ignore[attr-defined]
     routers = [m for m in model.modules() if type(m).__name__ == "Router"]
+    ddp = [s.submod for s in stages if isinstance(s.submod, DistributedDataParallel)]
 
     def initialize(*args: object, **kwargs: object) -> object:
         loss.inferring = True
         try:
-            return original(*args, **kwargs)
+            with contextlib.ExitStack() as no_sync:
+                for module in ddp:
+                    no_sync.enter_context(module.no_sync())
+                return original(*args, **kwargs)
         finally:
             loss.inferring = False
             for router in routers:
@@ -219,15 +229,18 @@ def build_pipeline(
     )
     router_names = [n for n, m in model.named_modules() if type(m).__name__ == "Router"]
     mine = stage_indices(p.pp_schedule, pp, v, rank)
-    chunks = [
-        carve_stage(model, layers[s], first=s == 0, last=s == num_stages - 1) for s in mine
-    ]
+    chunks = [carve_stage(model, layers[s], first=s == 0, last=s == num_stages - 1) for s in mine]
     union = PipelineModel(chunks)  # before DDP wrapping: the names stay the model's own
     tied = _tie_embeddings(union, meshes, p.pp_schedule) if model.mtp is not None else None
     device = next(model.parameters()).device
     stages = [
         PipelineStage(
-            parallelize_model(chunk, config, meshes), s, num_stages, device, group=pp_mesh.get_group()
+            parallelize_model(chunk, config, meshes),
+            s,
+            num_stages,
+            device,
+            group=pp_mesh.get_group(),
+            get_mesh=_mesh_by_names(meshes),
         )
         for s, chunk in zip(mine, chunks, strict=True)
     ]
@@ -239,8 +252,18 @@ def build_pipeline(
         loss_fn=loss,
         scale_grads=False,  # the loss is already normalized by global token counts
     )
-    _quiet_metadata_inference(schedule, loss, union)
+    _quiet_metadata_inference(schedule, loss, union, stages)
     return Pipeline(schedule, stages, union, pp_mesh.get_group(), loss, tied, router_names)
+
+
+def _mesh_by_names(meshes: Meshes) -> Callable[..., object]:
+    """Upstream's lookup for the mesh of a DTensor crossing a stage boundary (sequence-parallel
+    activations are sharded over `tp`)."""
+
+    def get_mesh(names: tuple[str, ...], layout: object) -> object:
+        return meshes[names[0]] if len(names) == 1 else meshes.dense[names]
+
+    return get_mesh
 
 
 def _tie_embeddings(union: PipelineModel, meshes: Meshes, schedule: str) -> TiedEmbedding:

@@ -115,18 +115,15 @@ def clip_grad_norm(
     embedding, whose gradient the original already counts) are clipped but not counted."""
     by_kind: dict[object, list[torch.Tensor]] = {}
     for p in params:
-        key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
-        by_kind.setdefault(key, []).append(p.grad)
+        g = p.grad
+        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
+        by_kind.setdefault(key, []).append(g)
     device = params[0].grad.device if params else torch.device("cpu")
     squares = [torch.zeros((), device=device)]
-    for grads in by_kind.values():
+    for key, grads in by_kind.items():
         counted = [g for g in grads if not any(g is p.grad for p in uncounted)]
-        if not counted:
-            continue
-        norm = torch.nn.utils.get_total_norm(counted, norm_type=2.0, foreach=True)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        squares.append(norm.float().to(device) ** 2)
+        if counted:
+            squares.append(_square_sum(counted, key).to(device))
     total_sq = torch.stack(squares).sum()
     if pp_group is not None:
         dist.all_reduce(total_sq, group=pp_group)
@@ -138,6 +135,23 @@ def clip_grad_norm(
             for grads in by_kind.values():
                 torch._foreach_mul_(grads, scale)
     return total.detach()
+
+
+def _square_sum(grads: list[torch.Tensor], kind: tuple | None) -> torch.Tensor:
+    """Sum of squares of gradients sharing one (mesh, placements): local squares summed over the
+    mesh axes that shard them. (Our own rather than DTensor's norm, which came out 3e-5 off for
+    a Shard(0) [2048, 128] gradient on 2 gloo ranks in torch 2.13.)"""
+    local = torch.stack([_local(g).float().square().sum() for g in grads]).sum()
+    if kind is not None:
+        mesh, placements = kind
+        for axis, placement in enumerate(placements):
+            if not placement.is_replicate():
+                dist.all_reduce(local, group=mesh.get_group(axis))
+    return local
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def update_balancing_bias(

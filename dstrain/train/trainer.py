@@ -30,11 +30,11 @@ from dstrain.metrics.sinks import JsonlSink, Sink, TensorBoardSink
 from dstrain.model.flops import param_counts, training_flops_per_token
 from dstrain.model.transformer import build_model
 from dstrain.parallel.distributed import init_distributed
-from dstrain.planner.bubble import Costs, theoretical_bubble
 from dstrain.parallel.expert_parallel import reduce_expert_grads, scale_expert_grads
 from dstrain.parallel.mesh import build_meshes
 from dstrain.parallel.parallelize import experts_use_fsdp, parallelize_model
 from dstrain.parallel.pipeline import Pipeline, build_pipeline
+from dstrain.planner.bubble import Costs, theoretical_bubble
 from dstrain.train.loss_scale import LossScaler
 from dstrain.train.lr import build_scheduler
 from dstrain.train.optim import build_optimizer
