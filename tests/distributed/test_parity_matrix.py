@@ -58,8 +58,14 @@ def _losses(root: Path, name: str) -> list[float]:
     return [json.loads(line)["loss/main"] for line in lines]
 
 
-def _check(root: Path, name: str, reference_weights: dict, weights_dir: Path | None = None) -> None:
-    expected, got = _losses(root, "reference"), _losses(root, name)
+def _check(
+    root: Path,
+    name: str,
+    reference_weights: dict,
+    weights_dir: Path | None = None,
+    reference: str = "reference",
+) -> None:
+    expected, got = _losses(root, reference), _losses(root, name)
     assert len(got) == STEPS
     for step, (a, b) in enumerate(zip(expected, got, strict=True), start=1):
         assert abs(a - b) <= LOSS_RTOL * abs(a), (name, step, a, b)

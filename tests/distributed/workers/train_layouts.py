@@ -1,6 +1,8 @@
 """Train the same run under several layouts in one launch; rank 0 saves each final full model.
 
 argv: OUT_DIR JSON, where JSON is {"common": [overrides], "layouts": {name: [overrides]}}.
+Under pipeline parallelism each rank holds some layers: the full state dicts of all ranks are
+merged (the MTP copy of the tied embedding is checked against the embedding, then dropped).
 """
 
 import json
@@ -15,6 +17,25 @@ from dstrain.train.trainer import Trainer
 from tests.distributed.harness import worker_main
 
 
+def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    # cpu_offload keeps the full state on global rank 0 only: fine without PP, where every rank
+    # holds every layer; under PP each rank's part is needed.
+    pipelined = trainer.pipeline is not None
+    state = get_model_state_dict(
+        trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=not pipelined)
+    )
+    if not pipelined:
+        return state
+    state = {k: v.detach().cpu() for k, v in state.items()}
+    parts: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(parts, state)
+    merged = {k: v for part in parts for k, v in part.items()}
+    copy = merged.pop("mtp_embed.weight", None)
+    if copy is not None:
+        assert torch.equal(copy, merged["embed.weight"]), "the tied MTP embedding drifted"
+    return merged
+
+
 def train_all(out_dir):
     spec = json.loads(sys.argv[2])
     done = {}
@@ -22,9 +43,7 @@ def train_all(out_dir):
         config = load_config(None, [*spec["common"], f"run.name={name}", *overrides]).config
         trainer = Trainer(config)
         summary = trainer.train()
-        state = get_model_state_dict(
-            trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
+        state = full_weights(trainer)
         if dist.get_rank() == 0:
             torch.save(state, out_dir / f"{name}.pt")
         done[name] = summary.final_loss

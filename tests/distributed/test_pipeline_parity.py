@@ -1,0 +1,96 @@
+"""Pipeline parallelism against one process: every schedule at pp2, gpipe and 1f1b at pp4, and
+pp2 combined with data (DDP, ZeRO-1, ZeRO-2), tensor (with sequence parallel) and expert
+parallelism.
+
+Same run as the parity matrix (debug flavor with MLA, MoE and MTP, 8 steps, global batch 16 of
+4-sequence micro-batches; 8 layers and 2-sequence micro-batches where pp4 needs 8 stages and 8
+micro-batches): under PP the 4 micro-batches of one process become the schedule's 4
+micro-batches (2 per rank with dp2). Per-step losses within 1e-6 relative (the issue asks 1e-5)
+and the final weights, the MTP copy of the embedding included, as in the matrix.
+"""
+
+import json
+
+import pytest
+
+from dstrain.config.load import load_config
+from dstrain.train.trainer import Trainer
+from tests.distributed.harness import run_ranks
+from tests.distributed.test_parity_matrix import _check, setup  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.slow
+
+TWO_RANKS = {
+    "pp2_gpipe": ["parallel.pp=2", "parallel.pp_schedule=gpipe"],
+    "pp2_1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
+    "pp2_interleaved": [
+        "parallel.pp=2",
+        "parallel.pp_schedule=interleaved-1f1b",
+        "parallel.num_virtual_stages=2",
+    ],
+    "pp2_zbv": ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.num_virtual_stages=2"],
+    "pp2_dualpipev": [
+        "parallel.pp=2",
+        "parallel.pp_schedule=dualpipev",
+        "parallel.num_virtual_stages=2",
+    ],
+}
+FOUR_RANKS = {
+    "pp4_gpipe": ["parallel.pp=4", "parallel.pp_schedule=gpipe"],
+    "pp4_1f1b": ["parallel.pp=4", "parallel.pp_schedule=1f1b"],
+    "pp2_dp2_ddp": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=0"],
+    "pp2_dp2_zero1": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=1"],
+    "pp2_dp2_zero2_zbv": [
+        "parallel.pp=2",
+        "parallel.dp_shard=2",
+        "parallel.zero_stage=2",
+        "parallel.pp_schedule=zbv",
+        "parallel.num_virtual_stages=2",
+    ],
+    "pp2_tp2_sp": ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+    "pp2_ep2": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2"],
+}
+
+
+def test_every_schedule_at_pp2_matches_one_process(setup):  # noqa: F811
+    root, common, reference = setup
+    spec = {"common": common, "layouts": TWO_RANKS}
+    run_ranks(2, "train_layouts", root / "pp2", json.dumps(spec), timeout=600)
+    for name in TWO_RANKS:
+        _check(root, name, reference, weights_dir=root / "pp2")
+
+
+def test_pp4_and_pp_with_dp_tp_ep_match_one_process(setup):  # noqa: F811
+    root, common, reference = setup
+    spec = {"common": common, "layouts": FOUR_RANKS}
+    run_ranks(4, "train_layouts", root / "pp4", json.dumps(spec), timeout=900)
+    for name in FOUR_RANKS:
+        _check(root, name, reference, weights_dir=root / "pp4")
+
+
+# pp4 with 2 stages per rank needs 8 layers, and DualPipeV 2 x pp = 8 micro-batches.
+FOUR_RANKS_8_STAGES = {
+    "pp4_interleaved": [
+        "parallel.pp=4",
+        "parallel.pp_schedule=interleaved-1f1b",
+        "parallel.num_virtual_stages=2",
+    ],
+    "pp4_zbv": ["parallel.pp=4", "parallel.pp_schedule=zbv", "parallel.num_virtual_stages=2"],
+    "pp4_dualpipev": [
+        "parallel.pp=4",
+        "parallel.pp_schedule=dualpipev",
+        "parallel.num_virtual_stages=2",
+    ],
+}
+
+
+def test_two_stages_per_rank_at_pp4_match_one_process(setup):  # noqa: F811
+    root, common, _ = setup
+    eight = [*common, "model.num_layers=8", "train.micro_batch_size=2"]
+    reference = Trainer(load_config(None, [*eight, "run.name=reference8"]).config)
+    reference.train()
+    weights = reference.model.state_dict()
+    spec = {"common": eight, "layouts": FOUR_RANKS_8_STAGES}
+    run_ranks(4, "train_layouts", root / "pp4v", json.dumps(spec), timeout=900)
+    for name in FOUR_RANKS_8_STAGES:
+        _check(root, name, weights, weights_dir=root / "pp4v", reference="reference8")
