@@ -12,7 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from dstrain.checkpoint import store
 from dstrain.config.batch import BatchPlan, resolve_batch
@@ -178,7 +182,7 @@ class Trainer:
         if not self.world.is_main:
             return []
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.toml").write_text(to_toml(self.config))
+        (self.run_dir / "config.toml").write_text(to_toml(self._resolved_config()))
         metrics = self.run_dir / "metrics.jsonl"
         _truncate_after(metrics, self.step)
         sinks: list[Sink] = []
@@ -188,12 +192,22 @@ class Trainer:
             sinks.append(TensorBoardSink(self.run_dir / "tb"))
         return sinks
 
+    def _resolved_config(self) -> DstrainConfig:
+        """The config as it ran: under PP with the micro-batch count the schedule used (what
+        `dstrain schedule --from-run` reads)."""
+        if self.pipeline is None:
+            return self.config
+        parallel = self.config.parallel.model_copy(
+            update={"num_microbatches": self.batch.grad_accum_steps}
+        )
+        return self.config.model_copy(update={"parallel": parallel})
+
     # ---- checkpoints -------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
         """Everything a resume needs: weights (with MoE biases), optimizer, schedule, data
         position, loss scale and RNG."""
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=_FLAT)
         return {
             "model": model_state,
             "optim": optim_state,
@@ -250,6 +264,7 @@ class Trainer:
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
+            options=_FLAT,
         )
         train = state["train"]
         self.step = int(train["step"])
@@ -422,6 +437,11 @@ class Trainer:
             f"data: {self.config.data.source} ({len(self.dataset):,} samples), "
             f"tokenizer {self.tokenizer.name}"
         )
+
+
+# Optimizer state keyed per parameter name ("param_groups.layers.3.wq.weight.lr"): with nested
+# param_groups, DCP keeps one rank's list, which under PP names only that rank's parameters.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class _Window:
