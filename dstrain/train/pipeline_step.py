@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from dstrain.errors import UserError
 from dstrain.metrics.pipeline_timer import PipelineTimer
 from dstrain.parallel.pipeline import Pipeline
 from dstrain.train.loss import loss_terms
@@ -60,12 +61,15 @@ def pipeline_step(
     args = (batch[:, :-1],) if pipe.has_first else ()
     kwargs = {"next_tokens": batch[:, 1:]} if pipe.has_last and num_mtp else {}
     target = batch[:, 1:] if pipe.has_last else None
-    timer.start()
-    # Autocast around the whole step: upstream runs forward and backward inside `step`; backward
-    # ops keep the dtypes their forward chose, so this equals autocasting the forwards only.
-    with autocast(precision, device):
-        pipe.schedule.step(*args, target=target, return_outputs=False, **kwargs)
-    timer.stop()
+    try:
+        timer.start()
+        # Autocast around the whole step: upstream runs forward and backward inside `step`;
+        # backward ops keep the dtypes their forward chose, as if only the forwards were cast.
+        with autocast(precision, device):
+            pipe.schedule.step(*args, target=target, return_outputs=False, **kwargs)
+        timer.stop()
+    except RuntimeError as exc:
+        raise _stuck(exc, pipe) from exc
     if pipe.tied is not None:
         pipe.tied.sum_grads()
     if finish_grads is not None:
@@ -88,6 +92,29 @@ def pipeline_step(
         skipped=not finite,
         tokens=counts.per_depth[0],
         expert_load=_gather_loads(load, pipe, num_experts, device),
+    )
+
+
+# What gloo and NCCL say when a peer never sends, or died.
+_STUCK_SIGNS = ("timed out", "timeout", "connection closed by peer", "connection reset")
+
+
+def _stuck(exc: RuntimeError, pipe: Pipeline) -> Exception:
+    """A pipeline peer that stopped responding becomes one clear error naming this rank, its
+    stages and the peers it waited for; any other error passes through unchanged."""
+    text = str(exc).strip()
+    if not any(sign in text.lower() for sign in _STUCK_SIGNS):
+        return exc
+    rank, size = dist.get_rank(pipe.group), dist.get_world_size(pipe.group)
+    peers = sorted({(rank - 1) % size, (rank + 1) % size} - {rank})
+    stages = ", ".join(str(stage.stage_index) for stage in pipe.stages)
+    return UserError(
+        f"pipeline stuck: pp rank {rank} (global rank {dist.get_rank()}, stages {stages}) got "
+        f"nothing from its pipeline peers (pp ranks {peers}) within the collective timeout: "
+        f"{text.splitlines()[-1]}",
+        "a peer rank hung or died: its own log names the cause; if the stages are only slow, "
+        "raise comm.timeout_s",
+        exit_code=1,
     )
 
 

@@ -39,6 +39,7 @@ from dstrain.parallel.mesh import build_meshes
 from dstrain.parallel.parallelize import experts_use_fsdp, parallelize_model
 from dstrain.parallel.pipeline import Pipeline, build_pipeline
 from dstrain.planner.bubble import Costs, theoretical_bubble
+from dstrain.train.faults import fault_from_env
 from dstrain.train.loss_scale import LossScaler
 from dstrain.train.lr import build_scheduler
 from dstrain.train.optim import build_optimizer
@@ -81,6 +82,7 @@ class Trainer:
         self.scaler = LossScaler(config.train.loss_scale, config.train.precision == "fp16")
         self.loader = self._build_loader()
         self.step = 0
+        self.fault = fault_from_env()
         self._resume()
         self.sinks = self._build_sinks()
         self.flops_per_token = training_flops_per_token(self.model_args, config.train.seq_len)
@@ -320,6 +322,8 @@ class Trainer:
 
     def _one_step(self) -> StepResult:
         t, args = self.config.train, self.model_args
+        if self.fault is not None:
+            self.fault.maybe_fire(self.world.rank, self.step + 1)
         self.model.train()
         common = dict(
             scaler=self.scaler,
