@@ -3,7 +3,10 @@
 Why our own: upstream schedules have no timing API (their actions only run under
 `record_function`, visible to a profiler but not to the training loop), so the timer wraps the
 stage methods the schedules call: `forward_one_chunk` (F), `backward_one_chunk` (B for a full
-backward, I for the input-gradient half), `backward_weight_one_chunk` (W).
+backward, I for the input-gradient half), `backward_weight_one_chunk` (W), and the module
+function through which every schedule waits for its sends and receives (R, part of the bubble:
+`pipeline/p2p_wait_fraction` says how much of it is waiting on a peer rather than Python
+overhead between actions).
 
 Definition (the one the closed forms use): each step, the ranks of a pipeline line up at a barrier,
 run the schedule, and line up again. The interval between the barriers is the pipeline-busy
@@ -21,8 +24,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.pipelining.schedules as upstream
 
-KINDS = ("F", "B", "I", "W", "L")  # L: the loss function on the last stage
+KINDS = ("F", "B", "I", "W", "L", "R")  # L: the loss on the last stage; R: p2p waits
+COMPUTE = KINDS[:5]
+_ACTIVE: list["PipelineTimer"] = []  # the timer of the step in flight (one pipeline per process)
 
 
 class PipelineTimer:
@@ -35,7 +41,9 @@ class PipelineTimer:
         self._t0 = 0.0
 
     def instrument(self, stages: list[Any]) -> None:
-        """Time the stage methods the schedules call (instance attributes shadow the methods)."""
+        """Time the stage methods the schedules call (instance attributes shadow the methods),
+        and (once per process) upstream's p2p wait."""
+        _hook_p2p_wait()
         for stage in stages:
             stage.forward_one_chunk = self._timed(stage.forward_one_chunk, lambda *a, **k: "F")
             stage.backward_one_chunk = self._timed(stage.backward_one_chunk, _backward_kind)
@@ -50,8 +58,10 @@ class PipelineTimer:
         if self.group is not None:
             dist.barrier(group=self.group)
         self._t0 = time.perf_counter()
+        _ACTIVE.append(self)
 
     def stop(self) -> None:
+        _ACTIVE.remove(self)
         if self.group is not None:
             dist.barrier(group=self.group)
         self.window[0] += time.perf_counter() - self._t0
@@ -68,7 +78,11 @@ class PipelineTimer:
         interval, sums = totals[0].item(), totals[2::2]
         if interval <= 0:
             return {}
-        figures = {"pipeline/bubble_fraction": max(0.0, 1.0 - sums.sum().item() / interval)}
+        compute = sums[: len(COMPUTE)].sum().item()
+        figures = {
+            "pipeline/bubble_fraction": max(0.0, 1.0 - compute / interval),
+            "pipeline/p2p_wait_fraction": sums[KINDS.index("R")].item() / interval,
+        }
         self.run_bubble.append(figures["pipeline/bubble_fraction"])
         for i, kind in enumerate(KINDS[:4]):
             count = totals[3 + 2 * i].item()
@@ -89,6 +103,22 @@ class PipelineTimer:
                 self.window[at + 1] += 1
 
         return timed
+
+
+def _hook_p2p_wait() -> None:
+    """Every upstream schedule waits for its p2p work through `schedules._wait_batch_p2p`
+    (looked up as a module global at call time): wrap it once, timing into the active timer."""
+    original = upstream._wait_batch_p2p
+    if getattr(original, "_dstrain_timed", False):
+        return
+
+    def wait(*args: Any, **kwargs: Any) -> Any:
+        if not _ACTIVE:
+            return original(*args, **kwargs)
+        return _ACTIVE[-1]._timed(original, lambda *a, **k: "R")(*args, **kwargs)
+
+    wait._dstrain_timed = True  # type: ignore[attr-defined]
+    upstream._wait_batch_p2p = wait
 
 
 def _backward_kind(*args: Any, full_backward: bool = True, **kwargs: Any) -> str:
