@@ -220,8 +220,21 @@ def finish(out: Imported) -> None:
     """What Megatron implies once every key is in: steps from sample counts, and the rest of the
     architecture (Megatron's defaults) when the file describes a model."""
     _samples_to_steps(out)
+    _even_stages(out)
     if out.model_given:
         _implied_architecture(out)
+
+
+def _even_stages(out: Imported) -> None:
+    """Megatron and DeepSpeed split layers evenly unless told to trim a stage: an imported
+    pipeline keeps that rule (dstrain's own default, automatic trimming, would hide a split
+    that fails under them)."""
+    parallel = out.data.get("parallel", {})
+    if parallel.get("pp", 1) > 1:
+        for end in ("first", "last"):
+            key = f"parallel.pp_{end}_stage_less_layers"
+            if key.rsplit(".", 1)[1] not in parallel:
+                out.set(key, 0, out.origins.get("parallel.pp"))
 
 
 def _samples_to_steps(out: Imported) -> None:

@@ -138,3 +138,19 @@ def tp_spans_nodes(dims: ParallelDims, gpus_per_node: int) -> Finding | None:
             f"keep tp <= {gpus_per_node}; use pp or ep across nodes instead",
         )
     return None
+
+
+def stage_trim(
+    num_layers: int, num_stages: int, first: int | None, last: int | None
+) -> tuple[int, int]:
+    """Layers fewer on the first and last pipeline stage. Given values are kept; a None one is
+    the smallest that makes num_layers + first + last divide by num_stages, and with both None
+    the last stage (head and MTP) takes the larger half of what is needed."""
+    if first is not None and last is not None:
+        return first, last
+    if first is None and last is None:
+        extra = (-num_layers) % num_stages
+        return extra // 2, extra - extra // 2
+    if first is None:
+        return (-(num_layers + last)) % num_stages, last
+    return first, (-(num_layers + first)) % num_stages

@@ -11,7 +11,7 @@ from pathlib import Path
 from dstrain.config.batch import BatchPlan, resolve_batch
 from dstrain.config.findings import Finding, error, info, warning
 from dstrain.config.model_args import ModelArgs
-from dstrain.config.parallel_dims import ParallelDims, tp_spans_nodes
+from dstrain.config.parallel_dims import ParallelDims, stage_trim, tp_spans_nodes
 from dstrain.config.schema import DstrainConfig
 from dstrain.errors import UserError
 from dstrain.hardware import GPUSpec, gpu_spec, network_gbps
@@ -183,11 +183,21 @@ def rule_pipeline_layers(t: CheckTarget) -> Iterable[Finding]:
     if model is None or p.pp == 1:
         return
     stages = p.pp * p.num_virtual_stages
-    first, last = p.pp_first_stage_less_layers, p.pp_last_stage_less_layers
+    if model.num_layers < stages:
+        yield error(
+            "parallel.pp",
+            f"{model.num_layers} layers cannot fill {stages} pipeline stages (pp {p.pp} x "
+            f"{p.num_virtual_stages} per rank)",
+            "lower pp or num_virtual_stages so that every stage holds at least one layer",
+        )
+        return
+    first, last = stage_trim(
+        model.num_layers, stages, p.pp_first_stage_less_layers, p.pp_last_stage_less_layers
+    )
     total = model.num_layers + first + last
     if total % stages == 0 and total // stages - max(first, last) >= 0:
         return
-    a, b = _suggest_trim(model.num_layers, stages)
+    a, b = stage_trim(model.num_layers, stages, None, None)
     yield error(
         "parallel.pp",
         f"{model.num_layers} layers (+{first} first, +{last} last trimmed) do not split evenly "
@@ -195,11 +205,6 @@ def rule_pipeline_layers(t: CheckTarget) -> Iterable[Finding]:
         f"set pp_first_stage_less_layers={a} and pp_last_stage_less_layers={b} (the embedding, "
         "head and MTP take the place of layers), or change pp / num_virtual_stages",
     )
-
-
-def _suggest_trim(layers: int, stages: int) -> tuple[int, int]:
-    extra = (-layers) % stages
-    return extra // 2, extra - extra // 2
 
 
 def rule_experts(t: CheckTarget) -> Iterable[Finding]:

@@ -102,15 +102,19 @@ class ParallelConfig(Section):
         description="Micro-batches per pipeline step. None = train.grad_accum_steps (under PP the "
         "micro-batches of one step are the gradient-accumulation steps).",
     )
-    pp_first_stage_less_layers: int = Field(
-        0,
+    pp_first_stage_less_layers: int | None = Field(
+        None,
         ge=0,
-        description="Layers fewer on the first stage, to pay for the embedding.",
+        description="Layers fewer on the first stage, to pay for the embedding. None = automatic "
+        "(see pp_last_stage_less_layers).",
     )
-    pp_last_stage_less_layers: int = Field(
-        0,
+    pp_last_stage_less_layers: int | None = Field(
+        None,
         ge=0,
-        description="Layers fewer on the last stage, to pay for the head and MTP modules.",
+        description="Layers fewer on the last stage, to pay for the final norm, head and MTP "
+        "modules. None = automatic: the fewest trimmed layers that split the rest evenly over "
+        "pp x num_virtual_stages, the last stage trimmed at least as much as the first (61 "
+        "layers on 16 stages: first 3, last 2, the others 4).",
     )
 
 

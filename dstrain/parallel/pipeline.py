@@ -37,6 +37,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from dstrain.config.parallel_dims import stage_trim
 from dstrain.config.schema import DstrainConfig
 from dstrain.errors import UserError
 from dstrain.model.transformer import Transformer
@@ -224,9 +225,10 @@ def build_pipeline(
     pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
     v = 2 if p.pp_schedule in V_SHAPED else p.num_virtual_stages
     num_stages = pp * v
-    layers = split_layers(
+    first, last = stage_trim(
         model.args.num_layers, num_stages, p.pp_first_stage_less_layers, p.pp_last_stage_less_layers
     )
+    layers = split_layers(model.args.num_layers, num_stages, first, last)
     router_names = [n for n, m in model.named_modules() if type(m).__name__ == "Router"]
     mine = stage_indices(p.pp_schedule, pp, v, rank)
     chunks = [carve_stage(model, layers[s], first=s == 0, last=s == num_stages - 1) for s in mine]

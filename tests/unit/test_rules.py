@@ -3,6 +3,7 @@
 import pytest
 
 from dstrain.config.load import load_config
+from dstrain.config.parallel_dims import stage_trim
 from dstrain.config.preflight import preflight
 
 
@@ -72,44 +73,36 @@ def test_batch_without_world_size_still_checks_divisibility():
 PP2 = ("parallel.pp=2", "parallel.dp_shard=1")
 
 
+EVEN = ("parallel.pp_first_stage_less_layers=0", "parallel.pp_last_stage_less_layers=0")
+
+
 def test_layers_must_split_over_pipeline_stages():
-    bad = errors(*PP2, "model.num_layers=5", "train.grad_accum_steps=4", world=2)
+    bad = errors(*PP2, *EVEN, "model.num_layers=5", "train.grad_accum_steps=4", world=2)
     assert "parallel.pp" in bad
-    ok = errors(
-        *PP2,
-        "model.num_layers=5",
-        "parallel.pp_last_stage_less_layers=1",
-        "train.grad_accum_steps=4",
-        world=2,
-    )
+    trimmed = ("parallel.pp_first_stage_less_layers=0", "parallel.pp_last_stage_less_layers=1")
+    ok = errors(*PP2, *trimmed, "model.num_layers=5", "train.grad_accum_steps=4", world=2)
     assert ok == {}
+    # The default trims automatically, and one given side is completed.
+    assert errors(*PP2, "model.num_layers=5", "train.grad_accum_steps=4", world=2) == {}
+    assert stage_trim(5, 2, None, None) == (0, 1)
+    assert stage_trim(5, 2, 1, None) == (1, 0)
+    assert stage_trim(5, 2, None, 3) == (0, 3)
+
+
+def test_fewer_layers_than_stages_is_an_error():
+    v = ("parallel.pp_schedule=interleaved-1f1b", "parallel.num_virtual_stages=4")
+    bad = errors(*PP2, *v, "model.num_layers=4", "train.grad_accum_steps=4", world=2)
+    assert "cannot fill 8 pipeline stages" in bad["parallel.pp"]
 
 
 def test_trimming_suggestion_for_deepseek_v3_pp16():
-    fs = findings(
-        "model.flavor=deepseek-v3",
-        "parallel.pp=16",
-        "parallel.dp_shard=1",
-        "train.grad_accum_steps=32",
-        "train.seq_len=4096",
-        world=16,
-    )
-    layer = next(f for f in fs if f.key == "parallel.pp")
+    v3 = ("model.flavor=deepseek-v3", "parallel.pp=16", "parallel.dp_shard=1")
+    rest = ("train.grad_accum_steps=32", "train.seq_len=4096")
+    layer = next(f for f in findings(*v3, *EVEN, *rest, world=16) if f.key == "parallel.pp")
     assert "pp_first_stage_less_layers=1" in layer.fix
     assert "pp_last_stage_less_layers=2" in layer.fix
-    assert (
-        errors(
-            "model.flavor=deepseek-v3",
-            "parallel.pp=16",
-            "parallel.dp_shard=1",
-            "parallel.pp_first_stage_less_layers=1",
-            "parallel.pp_last_stage_less_layers=2",
-            "train.grad_accum_steps=32",
-            "train.seq_len=4096",
-            world=16,
-        )
-        == {}
-    )
+    assert stage_trim(61, 16, None, None) == (1, 2)  # the default does exactly that
+    assert errors(*v3, *rest, world=16) == {}
 
 
 def test_fewer_microbatches_than_stages():
