@@ -12,6 +12,8 @@ row shows, side by side from the same run:
 - theory: the closed form (`dstrain/planner/bubble.py`) with those costs;
 - p2p wait: the share of pp x busy interval spent in upstream's p2p waits (part of the
   measured bubble; the rest is Python between actions and the barriers);
+- imbalance: the busiest rank's compute over the mean (the last stage also runs the head, MTP
+  and the loss: idle time on the others that no schedule removes);
 - F/B/W: the measured mean ms per action.
 
 The gap between measured and simulated is what the CPU adds: p2p over gloo, the schedule's
@@ -76,7 +78,7 @@ def row(pp: int, figures: dict) -> str:
     measured, wait = figures["pipeline/bubble_fraction"], figures["pipeline/p2p_wait_fraction"]
     return (
         f"| {pp} | {schedule} | {m} | {measured:.3f} | {simulated:.3f} | {theory:.3f} | "
-        f"{wait:.3f} | {f:.1f} / {b:.1f} / {w:.1f} |"
+        f"{wait:.3f} | {figures['pipeline/stage_imbalance']:.2f} | {f:.1f} / {b:.1f} / {w:.1f} |"
     )
 
 
@@ -89,8 +91,11 @@ def main() -> None:
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
-    print("| pp | schedule | m | measured | simulated | theory | p2p wait | F / B / W ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| pp | schedule | m | measured | simulated | theory | p2p wait | imbalance "
+        "| F / B / W ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for pp in (int(p) for p in args.pp.split(",")):
             common = [

@@ -69,11 +69,18 @@ class PipelineTimer:
 
     def collect(self) -> dict[str, float]:
         """The window's figures, identical on every pipeline rank (one all-reduce), then reset:
-        bubble fraction and the mean milliseconds per F, B, I and W action."""
-        totals = self.window.clone()
+        bubble fraction, p2p-wait share, the mean milliseconds per F, B, I and W action, and the
+        stage imbalance (the busiest rank's compute over the mean: a slow stage idles the
+        others, a bubble no schedule removes; trimming layers off it is the fix)."""
+        size = dist.get_world_size(self.group) if self.group is not None else 1
+        rank = dist.get_rank(self.group) if self.group is not None else 0
+        per_rank = torch.zeros(size, dtype=torch.float64)
+        per_rank[rank] = self.window[2 : 2 + 2 * len(COMPUTE) : 2].sum()
+        totals = torch.cat([self.window, per_rank])
         self.window.zero_()
         if self.group is not None:
             dist.all_reduce(totals, group=self.group)
+        totals, per_rank = totals[:-size], totals[-size:]
         # Summed over the ranks: the interval is pp x the busy interval, as the definition needs.
         interval, sums = totals[0].item(), totals[2::2]
         if interval <= 0:
@@ -82,6 +89,7 @@ class PipelineTimer:
         figures = {
             "pipeline/bubble_fraction": max(0.0, 1.0 - compute / interval),
             "pipeline/p2p_wait_fraction": sums[KINDS.index("R")].item() / interval,
+            "pipeline/stage_imbalance": (per_rank.max() / per_rank.mean()).item(),
         }
         self.run_bubble.append(figures["pipeline/bubble_fraction"])
         for i, kind in enumerate(KINDS[:4]):

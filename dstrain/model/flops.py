@@ -276,3 +276,25 @@ def describe(counts: ParamCounts) -> str:
     if counts.mtp:
         text += f" (+{_human(counts.mtp)} MTP)"
     return text
+
+
+def stage_forward_flops_per_token(
+    args: ModelArgs, seq_len: int, layers: range, *, last: bool
+) -> float:
+    """Forward FLOPs per token of one pipeline stage: its blocks, and on the last stage the head
+    and the MTP modules (the same conventions as `forward_flops_per_token`; the embedding is a
+    lookup and costs nothing here). Balances the pipeline's default split."""
+    dense, moe = _block(args, moe=False), _block(args, moe=True)
+    is_moe = args.num_routed_experts > 0
+    qk_dim, v_dim = _score_head_dims(args)
+    scores = 2 * args.num_heads * (qk_dim + v_dim) * (seq_len / 2)
+    flops = sum(
+        2 * (moe if is_moe and i >= args.first_k_dense else dense).matmul_per_token + scores
+        for i in layers
+    )
+    if last:
+        _, mtp_proj = _mtp_own_params(args)
+        mtp_module = _mtp_block(args).matmul_per_token + mtp_proj + args.vocab_size * args.dim
+        flops += 2 * (args.vocab_size * args.dim + args.num_mtp_modules * mtp_module)
+        flops += args.num_mtp_modules * scores
+    return flops

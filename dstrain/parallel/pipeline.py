@@ -37,9 +37,11 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from dstrain.config.model_args import ModelArgs
 from dstrain.config.parallel_dims import stage_trim
 from dstrain.config.schema import DstrainConfig
 from dstrain.errors import UserError
+from dstrain.model.flops import stage_forward_flops_per_token
 from dstrain.model.transformer import Transformer
 from dstrain.parallel.mesh import Meshes
 from dstrain.parallel.parallelize import parallelize_model
@@ -78,6 +80,33 @@ def split_layers(num_layers: int, num_stages: int, first_less: int, last_less: i
         )
     starts = [sum(sizes[:i]) for i in range(num_stages)]
     return [range(start, start + size) for start, size in zip(starts, sizes, strict=True)]
+
+
+def balanced_split(args: ModelArgs, seq_len: int, schedule: str, pp: int, v: int) -> list[range]:
+    """The default split: of every legal (first, last) trimming, the one whose busiest pp rank
+    has the fewest forward FLOPs (the last stage also runs the head and the MTP modules; under
+    V-shaped schedules rank 0 holds both ends), and then the least trimming. Every stage keeps
+    at least one block; with no such split (fewer layers than stages) `check` has refused."""
+    num_stages, num_layers = pp * v, args.num_layers
+    best: tuple[float, int] | None = None
+    chosen: list[range] = []
+    for first in range(num_layers + 1):
+        for last in range(num_layers + 1):
+            total = num_layers + first + last
+            per = total // num_stages
+            if total % num_stages or per - max(first, last) < 1:
+                continue  # uneven, or a stage without a block
+            split = split_layers(num_layers, num_stages, first, last)
+            cost = [
+                stage_forward_flops_per_token(args, seq_len, split[s], last=s == num_stages - 1)
+                for s in range(num_stages)
+            ]
+            busiest = max(
+                sum(cost[s] for s in stage_indices(schedule, pp, v, rank)) for rank in range(pp)
+            )
+            if best is None or (busiest, first + last) < best:
+                best, chosen = (busiest, first + last), split
+    return chosen
 
 
 def carve_stage(model: Transformer, layers: range, *, first: bool, last: bool) -> Transformer:
@@ -155,6 +184,7 @@ class Pipeline:
     loss: "PipelineLoss"
     tied: TiedEmbedding | None
     router_names: list[str] = field(default_factory=list)
+    layers: list[range] = field(default_factory=list)  # of every stage, for the start-up log
 
     @property
     def has_first(self) -> bool:
@@ -225,10 +255,16 @@ def build_pipeline(
     pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
     v = 2 if p.pp_schedule in V_SHAPED else p.num_virtual_stages
     num_stages = pp * v
-    first, last = stage_trim(
-        model.args.num_layers, num_stages, p.pp_first_stage_less_layers, p.pp_last_stage_less_layers
-    )
-    layers = split_layers(model.args.num_layers, num_stages, first, last)
+    if p.pp_first_stage_less_layers is None and p.pp_last_stage_less_layers is None:
+        layers = balanced_split(model.args, config.train.seq_len, p.pp_schedule, pp, v)
+    else:
+        first, last = stage_trim(
+            model.args.num_layers,
+            num_stages,
+            p.pp_first_stage_less_layers,
+            p.pp_last_stage_less_layers,
+        )
+        layers = split_layers(model.args.num_layers, num_stages, first, last)
     router_names = [n for n, m in model.named_modules() if type(m).__name__ == "Router"]
     mine = stage_indices(p.pp_schedule, pp, v, rank)
     chunks = [carve_stage(model, layers[s], first=s == 0, last=s == num_stages - 1) for s in mine]
@@ -255,7 +291,7 @@ def build_pipeline(
         scale_grads=False,  # the loss is already normalized by global token counts
     )
     _quiet_metadata_inference(schedule, loss, union, stages)
-    return Pipeline(schedule, stages, union, pp_mesh.get_group(), loss, tied, router_names)
+    return Pipeline(schedule, stages, union, pp_mesh.get_group(), loss, tied, router_names, layers)
 
 
 def _mesh_by_names(meshes: Meshes) -> Callable[..., object]:

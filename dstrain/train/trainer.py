@@ -437,6 +437,12 @@ class Trainer:
             f"({self.world.backend or 'no process group'}); {self.batch.describe()}, "
             f"seq_len {self.config.train.seq_len}"
         )
+        if self.pipeline is not None:
+            sizes = ", ".join(str(len(r)) for r in self.pipeline.layers)
+            log(
+                f"pipeline: {self.config.parallel.pp_schedule}, {self.batch.grad_accum_steps} "
+                f"micro-batches; layers per stage [{sizes}] (stage 0 first)"
+            )
         log(
             f"data: {self.config.data.source} ({len(self.dataset):,} samples), "
             f"tokenizer {self.tokenizer.name}"
