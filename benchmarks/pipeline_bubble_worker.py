@@ -29,10 +29,10 @@ def one_run(spec: dict, schedule: str, m: int) -> dict:
     trainer = Trainer(load_config(None, overrides).config)
     for _ in range(spec["warmup"]):
         trainer._one_step()
-    trainer.pipeline_timer.collect()  # drop the warm-up window
+    trainer.pipeline_timer.collect(schedule, m, v)  # drop the warm-up window
     for _ in range(spec["steps"]):
         trainer._one_step()
-    return {"schedule": schedule, "m": m, "v": v, **trainer.pipeline_timer.collect()}
+    return {"schedule": schedule, "m": m, "v": v, **trainer.pipeline_timer.collect(schedule, m, v)}
 
 
 def main() -> None:

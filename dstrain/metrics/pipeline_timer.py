@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.pipelining.schedules as upstream
 
+from dstrain.planner.bubble import Costs, theoretical_bubble
+
 KINDS = ("F", "B", "I", "W", "L", "R")  # L: the loss on the last stage; R: p2p waits
 COMPUTE = KINDS[:5]
 _ACTIVE: list["PipelineTimer"] = []  # the timer of the step in flight (one pipeline per process)
@@ -67,11 +69,12 @@ class PipelineTimer:
         self.window[0] += time.perf_counter() - self._t0
         self.window[1] += 1
 
-    def collect(self) -> dict[str, float]:
+    def collect(self, schedule: str, microbatches: int, virtual_stages: int) -> dict[str, float]:
         """The window's figures, identical on every pipeline rank (one all-reduce), then reset:
-        bubble fraction, p2p-wait share, the mean milliseconds per F, B, I and W action, and the
+        bubble fraction, p2p-wait share, the mean milliseconds per F, B, I and W action, the
         stage imbalance (the busiest rank's compute over the mean: a slow stage idles the
-        others, a bubble no schedule removes; trimming layers off it is the fix)."""
+        others, a bubble no schedule removes; trimming layers off it is the fix), and the
+        schedule's theoretical bubble for the measured costs."""
         size = dist.get_world_size(self.group) if self.group is not None else 1
         rank = dist.get_rank(self.group) if self.group is not None else 0
         per_rank = torch.zeros(size, dtype=torch.float64)
@@ -96,7 +99,19 @@ class PipelineTimer:
             count = totals[3 + 2 * i].item()
             if count:
                 figures[f"pipeline/time_{kind.lower()}_ms"] = 1000 * sums[i].item() / count
+        # Split schedules time the input-gradient half (I) and W; the others a full backward (B).
+        forward = figures.get("pipeline/time_f_ms", 0.0)
+        backward = figures.get("pipeline/time_i_ms") or figures.get("pipeline/time_b_ms", 0.0)
+        if forward > 0:
+            costs = Costs(forward, backward, figures.get("pipeline/time_w_ms", 0.0))
+            figures["pipeline/bubble_fraction_theory"] = theoretical_bubble(
+                schedule, size, microbatches, virtual_stages, costs
+            )
         return figures
+
+    def mean_bubble(self) -> float | None:
+        """The mean of the collected windows, for summary.json."""
+        return sum(self.run_bubble) / len(self.run_bubble) if self.run_bubble else None
 
     def _timed(self, fn: Callable[..., Any], kind_of: Callable[..., str]) -> Callable[..., Any]:
         slot = {kind: 2 + 2 * i for i, kind in enumerate(KINDS)}

@@ -283,13 +283,20 @@ def build_pipeline(
         for s, chunk in zip(mine, chunks, strict=True)
     ]
     loss = PipelineLoss()
-    schedule_class = SCHEDULES[p.pp_schedule]
-    schedule = schedule_class(
-        stages if v > 1 or p.pp_schedule in V_SHAPED else stages[0],
-        n_microbatches=microbatches,
-        loss_fn=loss,
-        scale_grads=False,  # the loss is already normalized by global token counts
-    )
+    try:
+        schedule = SCHEDULES[p.pp_schedule](
+            stages if v > 1 else stages[0],
+            n_microbatches=microbatches,
+            loss_fn=loss,
+            scale_grads=False,  # the loss is already normalized by global token counts
+        )
+    except (ValueError, AssertionError, RuntimeError) as exc:  # upstream's own shape checks
+        raise UserError(
+            f"torch.distributed.pipelining cannot run {p.pp_schedule} on {pp} ranks x {v} "
+            f"stages with {microbatches} micro-batches: {exc}",
+            "`dstrain check` on the config names the micro-batch and stage counts that work",
+            exit_code=1,
+        ) from exc
     _quiet_metadata_inference(schedule, loss, union, stages)
     return Pipeline(schedule, stages, union, pp_mesh.get_group(), loss, tied, router_names, layers)
 

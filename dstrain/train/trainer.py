@@ -38,7 +38,6 @@ from dstrain.parallel.expert_parallel import reduce_expert_grads, scale_expert_g
 from dstrain.parallel.mesh import build_meshes
 from dstrain.parallel.parallelize import experts_use_fsdp, parallelize_model
 from dstrain.parallel.pipeline import Pipeline, build_pipeline
-from dstrain.planner.bubble import Costs, theoretical_bubble
 from dstrain.train.faults import fault_from_env
 from dstrain.train.loss_scale import LossScaler
 from dstrain.train.lr import build_scheduler
@@ -370,34 +369,16 @@ class Trainer:
         if self.peak:
             metrics["throughput/mfu"] = per_device * self.flops_per_token / self.peak
         if self.pipeline_timer is not None:
-            metrics.update(self._pipeline_metrics())
+            p = self.config.parallel
+            metrics.update(
+                self.pipeline_timer.collect(
+                    p.pp_schedule, self.batch.grad_accum_steps, p.num_virtual_stages
+                )
+            )
         for name, load in result.expert_load.items():
             if load.sum() > 0:
                 metrics[f"moe/{name}/max_over_mean"] = (load.max() / load.mean()).item()
         return metrics
-
-    def _pipeline_metrics(self) -> dict[str, float]:
-        """Measured bubble and per-action times, with the schedule's theoretical bubble for the
-        measured costs beside it."""
-        figures = self.pipeline_timer.collect()
-        p = self.config.parallel
-        forward = figures.get("pipeline/time_f_ms", 0.0)
-        # Split schedules time the input-gradient half (I) and W; the others a full backward (B).
-        backward = figures.get("pipeline/time_i_ms") or figures.get("pipeline/time_b_ms", 0.0)
-        weight = figures.get("pipeline/time_w_ms", 0.0)
-        if forward > 0:
-            figures["pipeline/bubble_fraction_theory"] = theoretical_bubble(
-                p.pp_schedule,
-                self.dims.pp,
-                self.batch.grad_accum_steps,
-                p.num_virtual_stages,
-                Costs(forward, backward, weight),
-            )
-        return figures
-
-    def _mean_bubble(self) -> float | None:
-        windows = self.pipeline_timer.run_bubble if self.pipeline_timer is not None else []
-        return sum(windows) / len(windows) if windows else None
 
     def _finish(self, start: int, started: float, last: StepResult | None) -> RunSummary:
         wall = time.perf_counter() - started
@@ -414,7 +395,9 @@ class Trainer:
             ),
             peak_rss_mb=_peak_rss_mb(),
             wall_s=wall,
-            pipeline_bubble_fraction=self._mean_bubble(),
+            pipeline_bubble_fraction=(
+                self.pipeline_timer.mean_bubble() if self.pipeline_timer is not None else None
+            ),
         )
         if self.world.is_main:
             summary_path = self.run_dir / "summary.json"
