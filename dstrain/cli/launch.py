@@ -6,18 +6,41 @@ import os
 from dstrain.cli.common import console
 
 
-def launch_local(nproc: int, worker_argv: list[str]) -> int:
-    """Run the agent in this process; a failed worker ends the job with its rank and error."""
+def launch_local(
+    nproc: int, worker_argv: list[str], *, max_restarts: int = 0, shutdown_s: float = 30.0
+) -> int:
+    """Run the agent in this process; a failed worker ends the job with its rank and error, or,
+    with `max_restarts`, restarts the whole group (which resumes from its newest checkpoint).
+    On SIGTERM the agent forwards it to the workers and waits `shutdown_s` for them (they save a
+    final checkpoint) before SIGKILL."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     # Restarted workers must not read the previous attempt's rendezvous keys (TORCH-CPU-NOTES).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(shutdown_s) + 1))
     args = get_args_parser().parse_args(
-        ["--standalone", "--nproc-per-node", str(nproc), "-m", "dstrain.train", *worker_argv]
+        [
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            "--max-restarts",
+            str(max_restarts),
+            "-m",
+            "dstrain.train",
+            *worker_argv,
+        ]
     )
     try:
         run(args)
+    except SignalException as exc:
+        # The workers got the signal too and have saved their final checkpoint, or the agent
+        # killed them after shutdown_s.
+        console(stderr=True).print(
+            f"dstrain train: stopped by signal {exc.sigval.name}", markup=False
+        )
+        return 0 if exc.sigval.name == "SIGTERM" else 128 + int(exc.sigval)
     except ChildFailedError as exc:
         err = console(stderr=True)
         for rank, failure in sorted(exc.failures.items()):

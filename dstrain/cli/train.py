@@ -4,7 +4,7 @@ the embedded corpus, on CPU)."""
 import argparse
 import os
 
-from dstrain.cli.common import add_config_args, console, positive_int
+from dstrain.cli.common import add_config_args, console, non_negative_int, positive_int
 from dstrain.config.load import load_config
 from dstrain.config.preflight import preflight
 from dstrain.config.validate import raise_if_errors
@@ -20,11 +20,17 @@ Several processes: --nproc N starts N local workers through torchrun's elastic a
 cluster run `torchrun --nnodes ... -m dstrain.train CONFIG [--set ...]` on every node instead.
 The layout comes from the parallel section; the world size from the launcher.
 
+Faults: --max-restarts K restarts the group when a worker dies, resuming from the newest valid
+checkpoint (the steps since it are recomputed). SIGTERM (preemption) saves a final checkpoint
+within checkpoint.preemption_deadline_s and exits 0. A NaN/Inf loss or a spike follows the guard
+section (skip, rollback or stop). summary.json reports goodput, restarts and recomputed steps.
+
 examples:
   dstrain train                                   # debug model, embedded corpus, CPU
   dstrain train --nproc 4 --set parallel.dp_shard=2 --set parallel.ep=2 --set parallel.zero_stage=2
   dstrain train run.toml --set train.steps=1000 --set run.name=longer
   dstrain train --set data.source=corpus.jsonl --set data.text_field=content
+  dstrain train --nproc 2 --max-restarts 3 --set checkpoint.interval=50
 """
 
 
@@ -44,6 +50,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=1,
         metavar="N",
         help="local worker processes, started through torchrun's elastic agent (default 1)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=non_negative_int,
+        default=0,
+        metavar="K",
+        help="restart the whole group up to K times when a worker dies (torchrun's "
+        "restart policy); it resumes from the newest valid checkpoint (default 0)",
     )
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--resume", metavar="PATH", help="resume from this checkpoint folder")
@@ -69,10 +83,15 @@ def run(args: argparse.Namespace) -> int:
         world = args.nproc
     # The layout is checked before any process exists, with check's own rules.
     raise_if_errors(preflight(loaded, world_size=world))
-    if args.nproc > 1 and not worker:
+    if (args.nproc > 1 or args.max_restarts) and not worker:
         from dstrain.cli.launch import launch_local
 
-        return launch_local(args.nproc, _worker_argv(args, overrides))
+        return launch_local(
+            args.nproc,
+            _worker_argv(args, overrides),
+            max_restarts=args.max_restarts,
+            shutdown_s=loaded.config.checkpoint.preemption_deadline_s,
+        )
     from dstrain.train.trainer import Trainer  # torch loads only once the config is known good
 
     trainer = Trainer(loaded.config)

@@ -247,6 +247,40 @@ class CheckpointConfig(Section):
         description="`auto`: resume from the run directory's newest valid checkpoint if any; "
         "`never`; or a checkpoint path.",
     )
+    on_save_error: Literal["continue", "stop"] = Field(
+        "continue",
+        description="A save that fails (disk full, no permission): `continue` training (the "
+        "previous valid checkpoint stays the newest) or `stop` the run with an error.",
+    )
+    preemption_deadline_s: float = Field(
+        120.0,
+        gt=0,
+        description="On SIGTERM (preemption), the run saves a final checkpoint and exits; a save "
+        "that would end after this many seconds from the signal is skipped.",
+    )
+
+
+class GuardConfig(Section):
+    """The numerics guard: what a non-finite or spiking loss does to the step."""
+
+    policy: Literal["skip", "rollback", "stop"] = Field(
+        "skip",
+        description="On a NaN/Inf loss or gradient norm, or a spike: `skip` the update (the "
+        "batch is dropped), `rollback` to the newest checkpoint (model, optimizer, schedule; the "
+        "data position moves on past the bad batch), or `stop` the run with an error.",
+    )
+    spike_factor: float | None = Field(
+        None,
+        gt=1,
+        description="A loss above this many times its running mean (EMA over recent steps) is "
+        "a spike and gets the policy too. None = only non-finite values.",
+    )
+    spike_warmup_steps: int = Field(
+        20, ge=0, description="Steps before spikes are judged (the running mean settles)."
+    )
+    max_consecutive: int = Field(
+        5, ge=1, description="More bad steps in a row than this stop the run whatever the policy."
+    )
 
 
 class MetricsConfig(Section):
@@ -311,8 +345,8 @@ class RunConfig(Section):
 
 
 class DstrainConfig(Section):
-    """The whole run. Sections: run, model, parallel, train, optim, lr, data, checkpoint, metrics,
-    comm, cluster."""
+    """The whole run. Sections: run, model, parallel, train, optim, lr, data, checkpoint, guard,
+    metrics, comm, cluster."""
 
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -322,6 +356,7 @@ class DstrainConfig(Section):
     lr: LRConfig = Field(default_factory=LRConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     comm: CommConfig = Field(default_factory=CommConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)

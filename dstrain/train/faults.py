@@ -1,18 +1,29 @@
-"""Fault injection for tests and drills: `DSTRAIN_INJECT_FAULT=hang:rank=1:step=2` makes rank 1
-stop responding at the start of step 2, to prove that a stuck rank ends in a timeout error that
-names it, never in a silent hang.
+"""Fault injection for tests and drills, from `DSTRAIN_INJECT_FAULT=KIND:rank=R:step=S`, at the
+start of step S on rank R:
 
-Read once at start-up; a malformed value is refused like any other bad input.
+- `hang`: the rank stops responding (the others must fail within comm.timeout_s, naming it);
+- `kill`: the rank dies by SIGKILL (torchrun restarts the group with --max-restarts; the run
+  resumes from its newest checkpoint);
+- `nan`: the rank's forward produces NaN for that step (the numerics guard must act).
+
+Each fires in the first attempt only (TORCHELASTIC_RESTART_COUNT 0), so a restarted group gets
+past it. Read once at start-up; a malformed value is refused like any other bad input.
 """
 
+import contextlib
 import os
+import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+from torch import nn
+
 from dstrain.errors import UserError
+from dstrain.model.transformer import TransformerBlock
 
 ENV = "DSTRAIN_INJECT_FAULT"
-KINDS = ("hang",)
+KINDS = ("hang", "kill", "nan")
 
 
 @dataclass(frozen=True)
@@ -21,11 +32,18 @@ class Fault:
     rank: int
     step: int
 
+    def fires(self, rank: int, step: int) -> bool:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")
+        return rank == self.rank and step == self.step and first_attempt
+
     def maybe_fire(self, rank: int, step: int) -> None:
-        """Called at the start of every step (1-based)."""
-        if rank == self.rank and step == self.step and self.kind == "hang":
-            while True:  # a rank that stopped responding: only the timeout ends the job
-                time.sleep(60)
+        """Called at the start of every step (1-based); `nan` is the trainer's to apply."""
+        if not self.fires(rank, step):
+            return
+        if self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        while self.kind == "hang":  # a rank that stopped responding: only the timeout ends it
+            time.sleep(60)
 
 
 def fault_from_env() -> Fault | None:
@@ -41,7 +59,18 @@ def fault_from_env() -> Fault | None:
     if fault is None or kind not in KINDS or values:
         raise UserError(
             f"{ENV}={text!r} is not a fault this build can inject",
-            f"use {ENV}=hang:rank=R:step=S (or unset it)",
+            f"use {ENV}=KIND:rank=R:step=S with KIND one of {', '.join(KINDS)} (or unset it)",
             exit_code=2,
         )
     return fault
+
+
+@contextlib.contextmanager
+def poisoned_forward(model: nn.Module) -> Iterator[None]:
+    """The `nan` fault: the first block this rank runs returns NaN while the context is open."""
+    block = next(m for m in model.modules() if isinstance(m, TransformerBlock))
+    handle = block.register_forward_hook(lambda module, args, out: out * float("nan"))
+    try:
+        yield
+    finally:
+        handle.remove()

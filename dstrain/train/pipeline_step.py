@@ -21,12 +21,12 @@ from dstrain.train.loss import loss_terms
 from dstrain.train.loss_scale import LossScaler
 from dstrain.train.step import (
     DataParallel,
+    Guard,
     StepResult,
+    apply_update,
     autocast,
-    clip_grad_norm,
     global_counts,
     set_aux_scale,
-    update_balancing_bias,
 )
 
 
@@ -45,6 +45,7 @@ def pipeline_step(
     dp: DataParallel,
     timer: PipelineTimer,
     finish_grads: Callable[[], None] | None = None,
+    guard: Guard | None = None,
 ) -> StepResult:
     device = next(pipe.model.parameters()).device
     counts = global_counts([mb[:, 1:].to(device) for mb in micro_batches], num_mtp, dp)
@@ -74,22 +75,27 @@ def pipeline_step(
         pipe.tied.sum_grads()
     if finish_grads is not None:
         finish_grads()
-    params = [p for p in pipe.model.parameters() if p.grad is not None]
-    finite = scaler.unscale_and_check(params, group=pipe.group)
-    grad_norm = clip_grad_norm(params, grad_clip, pp_group=pipe.group, uncounted=_uncounted(pipe))
-    if finite:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    load = update_balancing_bias(pipe.model, bias_update_speed, dp)
     zero = torch.zeros((), device=device)
     sums = torch.stack([pipe.loss.parts.get(k, zero) for k in ("main", "mtp")])
     dist.all_reduce(sums, group=pipe.group)  # the loss lives on the last stage's rank
     sums = dp.sum(sums)
+    grad_norm, applied, load = apply_update(
+        pipe.model,
+        optimizer,
+        scaler,
+        sums[0],
+        grad_clip,
+        bias_update_speed,
+        dp,
+        guard,
+        pp_group=pipe.group,
+        uncounted=_uncounted(pipe),
+    )
     return StepResult(
         loss=sums[0],
         mtp_loss=sums[1] if num_mtp else None,
         grad_norm=grad_norm,
-        skipped=not finite,
+        skipped=not applied,
         tokens=counts.per_depth[0],
         expert_load=_gather_loads(load, pipe, num_experts, device),
     )

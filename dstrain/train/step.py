@@ -68,9 +68,11 @@ def train_step(
     bias_update_speed: float,
     dp: DataParallel = DataParallel(),
     finish_grads: Callable[[], None] | None = None,
+    guard: "Guard | None" = None,
 ) -> StepResult:
     """`finish_grads` runs after the last backward, before clipping: the gradient reductions the
-    DP wrappers do not do (expert-parallel experts)."""
+    DP wrappers do not do (expert-parallel experts). `guard(loss, grad_norm)` may refuse the
+    update (the numerics guard)."""
     device = next(model.parameters()).device
     labels = [mb[:, 1:].to(device) for mb in micro_batches]
     counts = global_counts(labels, num_mtp, dp)
@@ -89,16 +91,43 @@ def train_step(
             mtp_loss = mtp_loss + parts["mtp"]
     if finish_grads is not None:
         finish_grads()
-    params = [p for p in model.parameters() if p.grad is not None]
-    finite = scaler.unscale_and_check(params)
-    grad_norm = clip_grad_norm(params, grad_clip)
-    if finite:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    load = update_balancing_bias(model, bias_update_speed, dp)
     loss = dp.sum(loss.detach())
     mtp_loss = dp.sum(mtp_loss.detach()) if mtp_loss is not None else None
-    return StepResult(loss, mtp_loss, grad_norm, not finite, counts.per_depth[0], load)
+    grad_norm, applied, load = apply_update(
+        model, optimizer, scaler, loss, grad_clip, bias_update_speed, dp, guard
+    )
+    return StepResult(loss, mtp_loss, grad_norm, not applied, counts.per_depth[0], load)
+
+
+Guard = Callable[[torch.Tensor, torch.Tensor], bool]
+
+
+def apply_update(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: LossScaler,
+    loss: torch.Tensor,
+    grad_clip: float,
+    bias_update_speed: float,
+    dp: DataParallel,
+    guard: Guard | None,
+    *,
+    pp_group: dist.ProcessGroup | None = None,
+    uncounted: frozenset[torch.Tensor] = frozenset(),
+) -> tuple[torch.Tensor, bool, dict[str, torch.Tensor]]:
+    """After the last backward, on gradients that are complete: unscale and check (fp16), clip,
+    let the guard judge the global loss and norm, step, then move the balancing biases (not
+    after a refused step: its batch is dropped). Returns (grad norm, applied, expert loads).
+    `pp_group`: the pipeline ranks, which hold other parameters."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    finite = scaler.unscale_and_check(params, group=pp_group)
+    grad_norm = clip_grad_norm(params, grad_clip, pp_group=pp_group, uncounted=uncounted)
+    applied = finite and (guard is None or guard(loss, grad_norm))
+    if applied:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    load = update_balancing_bias(model, bias_update_speed if applied else 0.0, dp)
+    return grad_norm, applied, load
 
 
 def clip_grad_norm(
