@@ -13,12 +13,13 @@ from dstrain.cli import (
     loss_compare,
     not_built,
     schedule,
+    status,
     train,
 )
 from dstrain.cli.common import run_guarded
 
 # Each module has `register(subparsers)`, which adds its subcommand(s) and sets `func`.
-COMMANDS = (check, convert, config_cmd, train, ckpt, loss_compare, schedule, not_built)
+COMMANDS = (check, convert, config_cmd, train, status, ckpt, loss_compare, schedule, not_built)
 
 
 def build_parser() -> argparse.ArgumentParser:

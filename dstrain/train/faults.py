@@ -4,7 +4,9 @@ start of step S on rank R:
 - `hang`: the rank stops responding (the others must fail within comm.timeout_s, naming it);
 - `kill`: the rank dies by SIGKILL (torchrun restarts the group with --max-restarts; the run
   resumes from its newest checkpoint);
-- `nan`: the rank's forward produces NaN for that step (the numerics guard must act).
+- `nan`: the rank's forward produces NaN for that step (the numerics guard must act);
+- `diskfull`: from then on the rank cannot write files past 64 KiB (RLIMIT_FSIZE; writes fail
+  with EFBIG as on a full disk), so its next checkpoint save fails.
 
 Each fires in the first attempt only (TORCHELASTIC_RESTART_COUNT 0), so a restarted group gets
 past it. Read once at start-up; a malformed value is refused like any other bad input.
@@ -12,6 +14,7 @@ past it. Read once at start-up; a malformed value is refused like any other bad 
 
 import contextlib
 import os
+import resource
 import signal
 import time
 from collections.abc import Iterator
@@ -23,25 +26,33 @@ from dstrain.errors import UserError
 from dstrain.model.transformer import TransformerBlock
 
 ENV = "DSTRAIN_INJECT_FAULT"
-KINDS = ("hang", "kill", "nan")
+KINDS = ("hang", "kill", "nan", "diskfull")
+FULL_DISK_BYTES = 64 * 1024
 
 
-@dataclass(frozen=True)
+@dataclass
 class Fault:
     kind: str
     rank: int
     step: int
+    fired: bool = False  # once: a rollback that repeats the step does not repeat the fault
 
     def fires(self, rank: int, step: int) -> bool:
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")
-        return rank == self.rank and step == self.step and first_attempt
+        now = rank == self.rank and step == self.step and first_attempt and not self.fired
+        self.fired |= now
+        return now
 
     def maybe_fire(self, rank: int, step: int) -> None:
         """Called at the start of every step (1-based); `nan` is the trainer's to apply."""
-        if not self.fires(rank, step):
+        if self.kind == "nan" or not self.fires(rank, step):
             return
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "diskfull":
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an error from write(), not a signal
+            _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (FULL_DISK_BYTES, hard))
         while self.kind == "hang":  # a rank that stopped responding: only the timeout ends it
             time.sleep(60)
 

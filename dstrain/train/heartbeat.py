@@ -12,7 +12,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-PHASES = ("start", "data", "step", "checkpoint", "done", "failed")
+from dstrain.errors import UserError
+
+# In the order a step goes through them ("step": about to start step+1); a rank whose phase is
+# earlier than the others' at the same step is the one holding them up.
+PHASES = ("start", "step", "data", "compute", "checkpoint", "done", "failed")
 
 
 class Heartbeat:
@@ -50,15 +54,45 @@ def read_heartbeats(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def laggards(beats: list[dict[str, Any]], me: int) -> list[dict[str, Any]]:
-    """The ranks that fell behind: on an earlier step than the others, or (same step) silent the
-    longest. Empty when nothing stands out."""
+    """The ranks that fell behind the rest: at an earlier (step, phase). Empty when none did."""
     others = [b for b in beats if b["rank"] != me]
     if not others:
         return []
-    newest_step = max(b["step"] for b in beats)
-    behind = [b for b in others if b["step"] < newest_step]
-    if behind:
-        return behind
-    oldest = min(b["time"] for b in others)
-    newest = max(b["time"] for b in beats)
-    return [b for b in others if b["time"] == oldest] if newest - oldest > 1.0 else []
+    progress = [_progress(b) for b in beats]
+    furthest = max(progress)
+    behind = [b for b in others if _progress(b) < furthest]
+    return behind if len(behind) < len(beats) else []
+
+
+def _progress(beat: dict[str, Any]) -> tuple[int, int]:
+    phase = beat.get("phase")
+    return beat["step"], PHASES.index(phase) if phase in PHASES else 0
+
+
+# What gloo and NCCL say when a peer never answers, or died.
+TIMEOUT_SIGNS = ("timed out", "timeout", "connection closed by peer", "connection reset")
+
+
+def explain_timeout(exc: BaseException, run_dir: Path, me: int, step: int) -> UserError | None:
+    """A collective or p2p timeout as one error that names the ranks holding the others up (from
+    their heartbeats) and what this rank was waiting in; None for any other error."""
+    text = exc.message if isinstance(exc, UserError) else str(exc).strip()
+    if not any(sign in text.lower() for sign in TIMEOUT_SIGNS):
+        return None
+    beats = read_heartbeats(run_dir)
+    late = laggards(beats, me)
+    now = time.time()
+    shown = late or [b for b in beats if b["rank"] != me]
+    heard = "; ".join(
+        f"rank {b['rank']} at step {b['step'] + 1} ({b['phase']}), last heard "
+        f"{now - b['time']:.0f} s ago"
+        for b in shown
+    )
+    culprit = "held up by " if late else "no rank stands out in the heartbeats: "
+    first = text.splitlines()[0] if isinstance(exc, UserError) else text.splitlines()[-1]
+    return UserError(
+        f"rank {me} timed out in step {step}, {culprit}{heard or 'no heartbeats'} ({first})",
+        "the rank named above hung or died: its own log has the cause (`dstrain status "
+        f"{run_dir}` shows every rank's heartbeat); if it is only slow, raise comm.timeout_s",
+        exit_code=1,
+    )

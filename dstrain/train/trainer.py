@@ -3,22 +3,14 @@
 Every rank builds the same objects; only rank 0 writes metrics, logs and the progress bar.
 """
 
-import json
+import contextlib
 import os
-import resource
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
 
-from dstrain.checkpoint import store
+from dstrain import __version__
 from dstrain.config.batch import BatchPlan, resolve_batch
 from dstrain.config.flavors import resolve_model_args
 from dstrain.config.load import to_toml
@@ -33,29 +25,25 @@ from dstrain.metrics.pipeline_timer import PipelineTimer
 from dstrain.metrics.sinks import JsonlSink, Sink, TensorBoardSink
 from dstrain.model.flops import param_counts, training_flops_per_token
 from dstrain.model.transformer import build_model
-from dstrain.parallel.distributed import init_distributed
+from dstrain.parallel.distributed import env_int, init_distributed
 from dstrain.parallel.expert_parallel import reduce_expert_grads, scale_expert_grads
 from dstrain.parallel.mesh import build_meshes
 from dstrain.parallel.parallelize import experts_use_fsdp, parallelize_model
 from dstrain.parallel.pipeline import Pipeline, build_pipeline
-from dstrain.train.faults import fault_from_env
+from dstrain.train.checkpointing import CpuRng, SchedulePosition, TrainCheckpoints
+from dstrain.train.faults import fault_from_env, poisoned_forward
+from dstrain.train.goodput import RunClock
+from dstrain.train.guard import NumericsGuard
+from dstrain.train.heartbeat import Heartbeat, explain_timeout, read_heartbeats
 from dstrain.train.loss_scale import LossScaler
 from dstrain.train.lr import build_scheduler
 from dstrain.train.optim import build_optimizer
 from dstrain.train.pipeline_step import pipeline_step
+from dstrain.train.preemption import Preemption
 from dstrain.train.progress import TrainProgress, log
 from dstrain.train.step import DataParallel, StepResult, train_step
-
-
-@dataclass
-class RunSummary:
-    steps: int
-    final_loss: float
-    tokens_per_s: float
-    mfu: float
-    peak_rss_mb: float
-    wall_s: float
-    pipeline_bubble_fraction: float | None = None  # mean over the logged windows
+from dstrain.train.step_metrics import Throughput, Window, peak_rss_mb, step_metrics
+from dstrain.train.summary import RunSummary, write_summary
 
 
 class Trainer:
@@ -82,10 +70,19 @@ class Trainer:
         self.loader = self._build_loader()
         self.step = 0
         self.fault = fault_from_env()
+        self.guard = NumericsGuard(config.guard, fp16=config.train.precision == "fp16")
+        self.clock = RunClock(self.run_dir, self.world.is_main, config.checkpoint.resume == "never")
+        self.checkpoints = self._build_checkpoints()
         self._resume()
+        self.heartbeat = Heartbeat(
+            self.run_dir, self.world.rank, env_int("TORCHELASTIC_RESTART_COUNT", 0)
+        )
+        self.preemption = Preemption(config.checkpoint.preemption_deadline_s, self.device)
+        self.preempted, self._last_save_s = False, 0.0
         self.sinks = self._build_sinks()
         self.flops_per_token = training_flops_per_token(self.model_args, config.train.seq_len)
         self.peak = peak_flops(self.device, config.train.precision)
+        self.throughput = Throughput(self.world.world_size, self.flops_per_token, self.peak)
         self._log_start()
 
     def _build_determinism(self) -> None:
@@ -184,11 +181,9 @@ class Trainer:
             return []
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(to_toml(self._resolved_config()))
-        metrics = self.run_dir / "metrics.jsonl"
-        _truncate_after(metrics, self.step)
         sinks: list[Sink] = []
         if self.config.metrics.jsonl:
-            sinks.append(JsonlSink(metrics))
+            sinks.append(JsonlSink(self.run_dir / "metrics.jsonl", after_step=self.step))
         if self.config.metrics.tensorboard:
             sinks.append(TensorBoardSink(self.run_dir / "tb"))
         return sinks
@@ -205,119 +200,180 @@ class Trainer:
 
     # ---- checkpoints -------------------------------------------------------------------------
 
-    def state(self) -> dict[str, Any]:
-        """Everything a resume needs: weights (with MoE biases), optimizer, schedule, data
-        position, loss scale and RNG."""
-        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=_FLAT)
-        return {
-            "model": model_state,
-            "optim": optim_state,
-            "train": {
-                "layout": self._layout(),
-                "step": self.step,
-                "lr_last_epoch": self.scheduler.last_epoch,
-                "loader": self.loader.state_dict(),
-                "scaler": self.scaler.state_dict(),
-                "rng": torch.get_rng_state(),
-            },
+    def _build_checkpoints(self) -> TrainCheckpoints:
+        """What travels with the weights: schedule, data position, loss scale, guard, RNG, and
+        the step and productive time (goodput forgets the time of steps a resume recomputes)."""
+        stateful = {
+            "counters": _Counters(self),
+            "scheduler": SchedulePosition(self.scheduler),
+            "loader": self.loader,
+            "scaler": self.scaler,
+            "guard": self.guard,
+            "rng": CpuRng(),
         }
-
-    def save_checkpoint(self) -> Path:
-        ckpt = self.config.checkpoint
-        return store.save(
+        return TrainCheckpoints(
             self.run_dir / "checkpoints",
-            self.step,
-            self.state(),
-            keep_last_k=ckpt.keep_last_k,
-            is_main=self.world.is_main,
-        )
-
-    def _layout(self) -> str:
-        d, p = self.dims, self.config.parallel
-        return (
-            f"dp_replicate={d.dp_replicate},dp_shard={d.dp_shard},cp={d.cp},tp={d.tp},"
-            f"pp={d.pp},ep={d.ep},zero_stage={p.zero_stage}"
-        )
-
-    def _check_layout(self, path: Path) -> None:
-        """Resharding on resume (another layout than the checkpoint's) arrives with the
-        fault-tolerance issue; until then it is refused here rather than loaded wrongly."""
-        probe = {"train": {"layout": ""}}
-        store.load(path, probe)
-        saved = probe["train"]["layout"]
-        if saved != self._layout():
-            raise UserError(
-                f"{path} was written under another layout ({saved}) than this run's "
-                f"({self._layout()}); resuming with resharding is not built yet",
-                "resume with the checkpoint's layout, or start a new run (--set run.name=NEW)",
-                exit_code=1,
-            )
-
-    def _resume(self) -> None:
-        path = self._resume_path()
-        if path is None:
-            return
-        self._check_layout(path)
-        state = self.state()
-        store.load(path, state)
-        set_state_dict(
+            self.config.checkpoint,
             self.model,
             self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-            options=_FLAT,
+            stateful,
+            self.world.is_main,
         )
-        train = state["train"]
-        self.step = int(train["step"])
-        self.scheduler.last_epoch = int(train["lr_last_epoch"])
-        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]  # type: ignore[attr-defined]
-        self.loader.load_state_dict(train["loader"])
-        self.scaler.load_state_dict(train["scaler"])
-        torch.set_rng_state(train["rng"])
-        if self.world.is_main:
-            log(f"resumed from {path} at step {self.step}")
 
-    def _resume_path(self) -> Path | None:
-        how = self.config.checkpoint.resume
-        existing = store.latest(self.run_dir / "checkpoints")
-        if how == "never":
-            if existing is not None:
-                # Saving into it would interleave two runs' step-N folders and prune the new ones.
-                raise UserError(
-                    f"{self.run_dir} already holds checkpoints of an earlier run (newest "
-                    f"{existing.name}); starting over there would mix the two",
-                    "give the new run its own --set run.name=NAME, or delete "
-                    f"{self.run_dir / 'checkpoints'}",
-                    exit_code=1,
-                )
-            return None
-        return existing if how == "auto" else Path(how)
+    def save_checkpoint(self, kind: str = "full") -> None:
+        self.heartbeat.beat(self.step, "checkpoint")
+        self.checkpoints.save(self.step, self._meta(), kind)
+
+    def _meta(self) -> dict[str, Any]:
+        """What `dstrain ckpt inspect/diff` and a resume read without loading tensors."""
+        d, p = self.dims, self.config.parallel
+        layout = {a: getattr(d, a) for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")}
+        layout |= {
+            "zero_stage": p.zero_stage,
+            "pp_schedule": p.pp_schedule,
+            "num_virtual_stages": p.num_virtual_stages,
+        }
+        return {
+            "tokens_seen": self.step * self.batch.global_batch_size * self.config.train.seq_len,
+            "world_size": self.world.world_size,
+            "layout": layout,
+            "model": self.model_args.model_dump(mode="json"),
+            "optimizer": self.config.optim.name,
+            "dstrain_version": __version__,
+        }
+
+    def _resume(self) -> None:
+        """Auto-resume (or --resume PATH): the newest valid checkpoint, resharded to this layout
+        when it was written under another one."""
+        done_before = max((b["step"] for b in read_heartbeats(self.run_dir)), default=0)
+        resumed = self.checkpoints.resume(
+            self.config.checkpoint.resume,
+            self.model_args.model_dump(mode="json"),
+            self.config.optim.name,
+        )
+        if resumed is None:
+            return
+        path, saved_layout = resumed
+        lost = self.clock.resumed(self.step, done_before)
+        if self.world.is_main:
+            now = self._meta()["layout"]
+            changed = [
+                f"{k} {saved_layout[k]} -> {v}"
+                for k, v in now.items()
+                if saved_layout.get(k, v) != v
+            ]
+            log(
+                f"resumed from {path} at step {self.step}"
+                + (f"; resharded ({', '.join(changed)})" if changed else "")
+                + (f"; {lost} step(s) after it are recomputed" if lost else "")
+            )
+
+    def _rollback(self, reason: str) -> bool:
+        """guard.policy = rollback: back to the newest checkpoint (weights, optimizer, schedule,
+        loss scale); the data position moves on, past the bad batch."""
+        self.checkpoints.wait()
+        path = self.checkpoints.newest_valid()
+        if path is None:
+            if self.world.is_main:
+                log(f"numerics guard: {reason}; no checkpoint to roll back to, step skipped")
+            return False
+        before = self.step
+        self.checkpoints.load(path, restore=("counters", "scheduler", "scaler"))
+        self.clock.resumed(self.step, before)
+        for sink in self.sinks:
+            sink.rewind(self.step)
+        if self.world.is_main:
+            log(f"numerics guard: {reason}; rolled back from step {before} to {path.name}")
+        return True
 
     # ---- the loop ----------------------------------------------------------------------------
 
     def train(self) -> RunSummary:
         cfg = self.config
         start, started = self.step, time.perf_counter()
-        window = _Window()
+        window = Window()
         last: StepResult | None = None
         with TrainProgress(cfg.train.steps, self.step, enabled=self.world.is_main) as progress:
             while self.step < cfg.train.steps:
+                self.heartbeat.beat(self.step, "step")
                 window.start()
-                last = self._one_step()
-                window.stop(last.tokens)
+                last = self._guarded_step()
+                seconds = window.stop(last.tokens)
+                if not last.skipped:
+                    self.clock.add(seconds)
+                elif self.guard.last_reason is not None and self._on_bad_step():
+                    continue  # rolled back: the loop resumes at the checkpoint's step
                 progress.advance()
                 if self.step % cfg.metrics.log_interval == 0 or self.step == cfg.train.steps:
-                    metrics = self._metrics(last, window)
-                    for sink in self.sinks:
-                        sink.write(self.step, metrics)
-                    if self.world.is_main:
-                        progress.report(self.step, metrics)
-                    window.reset()
-                if cfg.checkpoint.enable and self.step % cfg.checkpoint.interval == 0:
-                    self.save_checkpoint()
-        if cfg.checkpoint.enable and self.step > start and self.step % cfg.checkpoint.interval:
+                    self._log_metrics(last, window, progress)
+                self._maybe_save()
+                if self.preemption.requested():
+                    self._preempt()
+                    break
+        unsaved = self.step > start and self.step % cfg.checkpoint.interval
+        if cfg.checkpoint.enable and unsaved and not self.preempted:
             self.save_checkpoint()
         return self._finish(start, started, last)
+
+    def _guarded_step(self) -> StepResult:
+        """One step; a collective that times out becomes one error naming the rank that stopped
+        answering (from the heartbeats) and what this rank was doing."""
+        try:
+            return self._one_step()
+        except (RuntimeError, UserError) as exc:
+            explained = explain_timeout(exc, self.run_dir, self.world.rank, self.step + 1)
+            if explained is None:
+                raise
+            self.heartbeat.beat(self.step, "failed")
+            raise explained from exc
+
+    def _on_bad_step(self) -> bool:
+        """The guard refused the update: skip it, or roll back (True)."""
+        reason = self.guard.last_reason
+        if self.config.guard.policy == "rollback":
+            return self._rollback(reason)
+        if self.world.is_main:
+            log(f"numerics guard: {reason}; step {self.step} skipped (its batch is dropped)")
+        return False
+
+    def _log_metrics(self, last: StepResult, window: Window, progress: TrainProgress) -> None:
+        metrics = step_metrics(last, window, self.optimizer, self.scaler, self.throughput)
+        metrics["guard/bad_steps"] = float(self.guard.events)
+        if self.pipeline_timer is not None:
+            p = self.config.parallel
+            metrics.update(
+                self.pipeline_timer.collect(
+                    p.pp_schedule, self.batch.grad_accum_steps, p.num_virtual_stages
+                )
+            )
+        for sink in self.sinks:
+            sink.write(self.step, metrics)
+        if self.world.is_main:
+            progress.report(self.step, metrics)
+        window.reset()
+
+    def _maybe_save(self) -> None:
+        ckpt = self.config.checkpoint
+        if not ckpt.enable:
+            return
+        if self.step % ckpt.interval == 0:
+            self.save_checkpoint()
+        elif ckpt.model_only_interval and self.step % ckpt.model_only_interval == 0:
+            self.save_checkpoint("model")
+        self.checkpoints.poll()
+
+    def _preempt(self) -> None:
+        """SIGTERM: a final checkpoint if the deadline leaves time for one, then a clean exit."""
+        self.preempted = True
+        enough = self.preemption.seconds_left() > 2 * self._last_save_s
+        if self.config.checkpoint.enable and enough:
+            began = time.perf_counter()
+            self.save_checkpoint()
+            self.checkpoints.wait()
+            self._last_save_s = time.perf_counter() - began
+        if self.world.is_main:
+            saved = "final checkpoint saved" if enough else "no time left for a checkpoint"
+            log(f"preempted (SIGTERM) after step {self.step}: {saved}")
 
     def _one_step(self) -> StepResult:
         t, args = self.config.train, self.model_args
@@ -333,54 +389,44 @@ class Trainer:
             bias_update_speed=args.bias_update_speed,
             dp=self.dp,
             finish_grads=self._finish_grads,
+            guard=self.guard.allow,
         )
-        if self.pipeline is not None:
-            result = pipeline_step(
-                self.pipeline,
-                self.optimizer,
-                self.loader.next_step(),
-                num_experts=args.num_routed_experts,
-                timer=self.pipeline_timer,
-                **common,
-            )
-        else:
-            result = train_step(self.model, self.optimizer, self.loader.next_step(), **common)
+        self.heartbeat.beat(self.step, "data")
+        batch = self.loader.next_step()
+        self.heartbeat.beat(self.step, "compute")
+        with self._faulty_forward():
+            result = self._run_step(batch, common)
         if not result.skipped:
             self.scheduler.step()
         self.step += 1
         return result
 
-    def _metrics(self, result: StepResult, window: "_Window") -> dict[str, float]:
-        tokens_per_s = window.tokens / max(window.seconds, 1e-9)
-        per_device = tokens_per_s / self.world.world_size
-        metrics = {
-            "loss/main": result.loss.item(),
-            "optim/lr": self.optimizer.param_groups[0]["lr"],
-            "optim/grad_norm": result.grad_norm.item(),
-            "throughput/tokens_per_s": tokens_per_s,
-            "throughput/tokens_per_s_per_device": per_device,
-            "time/step_s": window.seconds / max(window.steps, 1),
-            "memory/rss_mb": _peak_rss_mb(),
-        }
-        if result.mtp_loss is not None:
-            metrics["loss/mtp"] = result.mtp_loss.item()
-        if self.scaler.enabled:
-            metrics["optim/loss_scale"] = self.scaler.scale
-        if self.peak:
-            metrics["throughput/mfu"] = per_device * self.flops_per_token / self.peak
-        if self.pipeline_timer is not None:
-            p = self.config.parallel
-            metrics.update(
-                self.pipeline_timer.collect(
-                    p.pp_schedule, self.batch.grad_accum_steps, p.num_virtual_stages
-                )
+    def _run_step(self, batch: list[torch.Tensor], common: dict[str, Any]) -> StepResult:
+        if self.pipeline is not None:
+            return pipeline_step(
+                self.pipeline,
+                self.optimizer,
+                batch,
+                num_experts=self.model_args.num_routed_experts,
+                timer=self.pipeline_timer,
+                **common,
             )
-        for name, load in result.expert_load.items():
-            if load.sum() > 0:
-                metrics[f"moe/{name}/max_over_mean"] = (load.max() / load.mean()).item()
-        return metrics
+        return train_step(self.model, self.optimizer, batch, **common)
+
+    def _faulty_forward(self) -> contextlib.AbstractContextManager:
+        """DSTRAIN_INJECT_FAULT=nan: this rank's forward gives NaN during this step."""
+        fault = self.fault
+        if (
+            fault is not None
+            and fault.kind == "nan"
+            and fault.fires(self.world.rank, self.step + 1)
+        ):
+            return poisoned_forward(self.model)
+        return contextlib.nullcontext()
 
     def _finish(self, start: int, started: float, last: StepResult | None) -> RunSummary:
+        self.checkpoints.close()
+        self.heartbeat.beat(self.step, "done")
         wall = time.perf_counter() - started
         tokens = (self.step - start) * self.batch.global_batch_size * self.config.train.seq_len
         tokens_per_s = tokens / wall if wall > 0 else 0.0
@@ -393,15 +439,18 @@ class Trainer:
                 if self.peak
                 else 0.0
             ),
-            peak_rss_mb=_peak_rss_mb(),
+            peak_rss_mb=peak_rss_mb(),
             wall_s=wall,
             pipeline_bubble_fraction=(
                 self.pipeline_timer.mean_bubble() if self.pipeline_timer is not None else None
             ),
+            bad_steps=self.guard.events,
+            checkpoint_failures=self.checkpoints.failures,
+            preempted=self.preempted,
+            **self.clock.summary(),
         )
         if self.world.is_main:
-            summary_path = self.run_dir / "summary.json"
-            summary_path.write_text(json.dumps(summary.__dict__, indent=2) + "\n")
+            write_summary(self.run_dir / "summary.json", summary)
         for sink in self.sinks:
             sink.close()
         return summary
@@ -432,36 +481,15 @@ class Trainer:
         )
 
 
-# Optimizer state keyed per parameter name ("param_groups.layers.3.wq.weight.lr"): with nested
-# param_groups, DCP keeps one rank's list, which under PP names only that rank's parameters.
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+class _Counters:
+    """The trainer's step and productive time, as a checkpointed object."""
 
+    def __init__(self, trainer: "Trainer") -> None:
+        self.trainer = trainer
 
-class _Window:
-    """Wall time and tokens since the last log line."""
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.trainer.step, "productive_s": self.trainer.clock.productive_s}
 
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.seconds, self.tokens, self.steps = 0.0, 0, 0
-
-    def start(self) -> None:
-        self._t0 = time.perf_counter()
-
-    def stop(self, tokens: int) -> None:
-        self.seconds += time.perf_counter() - self._t0
-        self.tokens += tokens
-        self.steps += 1
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _truncate_after(path: Path, step: int) -> None:
-    """A resumed run rewrites history from its checkpoint on: drop logged steps after it."""
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.step = int(state["step"])
+        self.trainer.clock.productive_s = float(state["productive_s"])

@@ -119,7 +119,7 @@ def test_a_failing_worker_takes_the_job_down_with_its_rank(common):
     assert "ZeRO-1" in done.stderr
 
 
-def test_resume_under_another_layout_is_refused_clearly(common):
+def test_resume_under_another_layout_reshards(common):
     first = _run(
         "-m",
         "dstrain",
@@ -136,5 +136,29 @@ def test_resume_under_another_layout_is_refused_clearly(common):
     again = _run(
         "-m", "dstrain", "train", *common, "--set", "run.name=layout", "--set", "train.steps=6"
     )
-    assert again.returncode == 1 and "another layout" in again.stderr
+    assert again.returncode == 0, again.stderr
+    assert (
+        "resumed from" in again.stderr and "resharded (dp_shard 2 -> 1, ep 2 -> 1)" in again.stderr
+    )
+    assert [r["step"] for r in _metrics(common, "layout")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_resume_into_another_architecture_is_refused_clearly(common):
+    first = _run("-m", "dstrain", "train", *common, "--set", "run.name=arch")
+    assert first.returncode == 0, first.stderr
+    again = _run(
+        "-m",
+        "dstrain",
+        "train",
+        *common,
+        "--set",
+        "run.name=arch",
+        "--set",
+        "train.steps=6",
+        "--set",
+        "model.num_layers=3",
+    )
+    assert (
+        again.returncode == 1 and "another model architecture (num_layers: 4 -> 3" in again.stderr
+    )
     assert "Traceback" not in again.stderr

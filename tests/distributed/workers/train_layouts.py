@@ -1,6 +1,8 @@
 """Train the same run under several layouts in one launch; rank 0 saves each final full model.
 
-argv: OUT_DIR JSON, where JSON is {"common": [overrides], "layouts": {name: [overrides]}}.
+argv: OUT_DIR JSON, where JSON is {"common": [overrides], "layouts": {name: [overrides]}} and
+optionally "stop_at": N, to stop every layout after N steps with a checkpoint (a run cut short,
+its LR schedule still the whole run's).
 Under pipeline parallelism each rank holds some layers: the full state dicts of all ranks are
 merged (the MTP copy of the tied embedding is checked against the embedding, then dropped).
 """
@@ -13,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from dstrain.config.load import load_config
+from dstrain.train.step_metrics import Window
 from dstrain.train.trainer import Trainer
 from tests.distributed.harness import worker_main
 
@@ -36,12 +39,38 @@ def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     return merged
 
 
+def cut_short(trainer: Trainer, steps: int) -> float:
+    """Train `steps` steps (logging each) and checkpoint, as a run interrupted there would have."""
+    window = Window()
+    while trainer.step < steps:
+        window.start()
+        result = trainer._one_step()
+        window.stop(result.tokens)
+        trainer._log_metrics(result, window, NO_PROGRESS)
+    trainer.save_checkpoint()
+    trainer.checkpoints.close()
+    for sink in trainer.sinks:
+        sink.close()
+    return result.loss.item()
+
+
+class _NoProgress:
+    def report(self, step, metrics):
+        pass
+
+
+NO_PROGRESS = _NoProgress()
+
+
 def train_all(out_dir):
     spec = json.loads(sys.argv[2])
     done = {}
     for name, overrides in spec["layouts"].items():
         config = load_config(None, [*spec["common"], f"run.name={name}", *overrides]).config
         trainer = Trainer(config)
+        if "stop_at" in spec:
+            done[name] = cut_short(trainer, spec["stop_at"])
+            continue
         summary = trainer.train()
         state = full_weights(trainer)
         if dist.get_rank() == 0:

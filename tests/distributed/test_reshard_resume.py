@@ -1,0 +1,80 @@
+"""Resharding resume: a checkpoint written under one layout resumes under another, and the steps
+after it have the losses of the uninterrupted one-process run.
+
+The run of the parity matrix (8 steps); the first 4 are trained and checkpointed under
+dp_shard2 x ep2 (FSDP), pp2 (with the MTP copy of the embedding) and tp2 + SP. Copies of those
+run directories then resume to step 8 under tp2, pp2, dp_shard2 x ep2, dp_shard4 (ZeRO-3),
+pp2 x dp2 and one process. The data position is a global sample count, so it continues exactly
+when dp changes (2 -> 4, 2 -> 1): a wrong position would change every later loss.
+"""
+
+import json
+import shutil
+
+import pytest
+
+from dstrain.config.load import load_config
+from dstrain.train.trainer import Trainer
+from tests.distributed.harness import run_ranks
+from tests.distributed.test_parity_matrix import _losses, setup  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.slow
+
+SAVE_AT = 4
+RTOL = 1e-5  # the parity tolerance of the issue; measured below it (printed)
+SAVED = {
+    "save_ep2": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero_stage=2"],
+    "save_pp2": ["parallel.pp=2"],
+    "save_tp2": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+}
+LAYOUTS = {
+    "tp2": ["parallel.tp=2"],
+    "pp2": ["parallel.pp=2"],
+    "ep2": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero_stage=2"],
+    "dp4_zero3": ["parallel.dp_shard=4", "parallel.zero_stage=3"],
+    "pp2_dp2": ["parallel.pp=2", "parallel.dp_shard=2"],
+}
+TWO_RANKS = {"ep2_to_tp2": ("save_ep2", "tp2"), "ep2_to_pp2": ("save_ep2", "pp2")}
+TWO_RANKS |= {"pp2_to_ep2": ("save_pp2", "ep2"), "tp2_to_pp2": ("save_tp2", "pp2")}
+FOUR_RANKS = {"ep2_to_dp4": ("save_ep2", "dp4_zero3"), "pp2_to_pp2dp2": ("save_pp2", "pp2_dp2")}
+ONE_PROCESS = {"ep2_to_one": "save_ep2", "pp2_to_one": "save_pp2", "tp2_to_one": "save_tp2"}
+
+
+def _resumable(common: list[str]) -> list[str]:
+    return [*common, "checkpoint.enable=true", "checkpoint.resume=auto"]
+
+
+def _branch(root, source: str, name: str) -> None:
+    """A copy of a saved run directory under a new run name (each resume writes into its own)."""
+    runs = root / "runs"
+    shutil.rmtree(runs / name, ignore_errors=True)
+    shutil.copytree(runs / source, runs / name)
+
+
+def _check(root, name: str) -> None:
+    expected, got = _losses(root, "reference"), _losses(root, name)
+    assert len(got) == len(expected), (name, len(got))
+    rel = max(abs(a - b) / abs(a) for a, b in zip(expected[SAVE_AT:], got[SAVE_AT:], strict=True))
+    print(f"reshard {name}: max loss rel diff over steps {SAVE_AT + 1}-8 {rel:.1e}")
+    assert rel <= RTOL, (name, rel)
+
+
+def test_checkpoints_reshard_across_layouts(setup):  # noqa: F811
+    root, common, _ = setup
+    common = _resumable(common)
+    spec = {"common": common, "layouts": SAVED, "stop_at": SAVE_AT}
+    run_ranks(2, "train_layouts", root / "saves", json.dumps(spec))
+
+    for ranks, cases in ((2, TWO_RANKS), (4, FOUR_RANKS)):
+        for name, (source, _) in cases.items():
+            _branch(root, source, name)
+        layouts = {name: LAYOUTS[layout] for name, (_, layout) in cases.items()}
+        spec = json.dumps({"common": common, "layouts": layouts})
+        run_ranks(ranks, "train_layouts", root / f"resume{ranks}", spec, timeout=600)
+        for name in cases:
+            _check(root, name)
+
+    for name, source in ONE_PROCESS.items():
+        _branch(root, source, name)
+        Trainer(load_config(None, [*common, f"run.name={name}"]).config).train()
+        _check(root, name)
