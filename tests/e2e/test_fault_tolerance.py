@@ -179,3 +179,19 @@ def test_a_nan_loss_meets_the_guard(common, policy):  # noqa: F811
         assert "step 3 skipped" in done.stderr
     else:
         assert "rolled back from step 3 to step-2" in done.stderr
+
+
+def test_async_and_model_only_checkpoints_resume_exactly(common):  # noqa: F811
+    saves = ("checkpoint.async_mode=async", "checkpoint.model_only_interval=1")
+    first = _train(common, "async", "train.steps=4", *saves)
+    assert first.returncode == 0, first.stderr
+    folder = _root(common) / "async" / "checkpoints"
+    assert sorted(p.name for p in folder.glob("step-*")) == ["step-2", "step-4"]
+    models = sorted(p.name for p in (folder / "model").glob("step-*"))
+    assert models == ["step-1", "step-3"]  # the full ones carry the weights at 2 and 4; kept 2
+    inspect = _run("-m", "dstrain", "ckpt", "inspect", str(folder.parent), "--json")
+    assert inspect.returncode == 0, inspect.stderr
+    again = _train(common, "async", "train.steps=6", *saves)
+    assert again.returncode == 0, again.stderr
+    assert _train(common, "async_ref", "train.steps=6").returncode == 0
+    assert _losses(common, "async") == _losses(common, "async_ref")
