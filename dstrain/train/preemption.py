@@ -5,9 +5,17 @@ The signal lands on each rank at its own moment, so the ranks agree at step boun
 all-reduce (MAX) per step tells every rank whether any rank was signalled, and all stop after the
 same step. With torchrun, the agent waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds before SIGKILL;
 `dstrain train --nproc` sets it from the deadline (set it yourself under a bare torchrun).
+
+The agent also sends SIGTERM to the survivors when a rank fails, and a survivor may be stuck in a
+collective that will never return (it waits for the dead rank), where Python's handler cannot
+run. So the signal also arms a watchdog thread: a rank still alive `deadline` seconds later exits
+(143, as SIGTERM's default would), whatever its main thread is doing. A checkpoint cut short by
+it is never published (publishing is atomic).
 """
 
+import os
 import signal
+import sys
 import threading
 import time
 
@@ -25,6 +33,9 @@ class Preemption:
     def _on_signal(self, signum: int, frame: object) -> None:
         if self.signalled_at is None:
             self.signalled_at = time.monotonic()
+            watchdog = threading.Timer(self.deadline_s, _exit_now)
+            watchdog.daemon = True
+            watchdog.start()
 
     def requested(self) -> bool:
         """Collective: True on every rank once any rank got SIGTERM."""
@@ -39,3 +50,9 @@ class Preemption:
         if self.signalled_at is None:
             return self.deadline_s
         return self.deadline_s - (time.monotonic() - self.signalled_at)
+
+
+def _exit_now() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + signal.SIGTERM)

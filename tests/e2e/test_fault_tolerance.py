@@ -153,12 +153,14 @@ def test_a_hung_rank_is_named_within_the_timeout(common):  # noqa: F811
         "train.steps=4",
         "comm.timeout_s=5",
         "checkpoint.enable=false",
+        "checkpoint.preemption_deadline_s=3",  # how long the hung rank outlives the agent's TERM
         nproc=2,
         fault="hang:rank=1:step=2",
     )
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "rank 0 timed out in step 2, held up by rank 1 at step 2 (step)" in done.stderr
-    assert done.seconds < 60, done.seconds
+    assert done.seconds < 30, done.seconds
+    print(f"hang: job ended {done.seconds:.1f} s after launch with comm.timeout_s=5")
 
 
 @pytest.mark.parametrize("policy", ["skip", "rollback", "stop"])
@@ -175,6 +177,7 @@ def test_a_nan_loss_meets_the_guard(common, policy):  # noqa: F811
     losses = _losses(common, name)
     assert all(loss == loss for loss in losses[-2:])  # finite again after the bad step
     assert _summary(common, name)["bad_steps"] == 1
+    print(f"nan/{policy}: {_summary(common, name)['recomputed_steps']} step(s) recomputed")
     if policy == "skip":
         assert "step 3 skipped" in done.stderr
     else:
