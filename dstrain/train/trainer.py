@@ -379,6 +379,7 @@ class Trainer:
         t, args = self.config.train, self.model_args
         if self.fault is not None:
             self.fault.maybe_fire(self.world.rank, self.step + 1)
+        self.guard.last_reason = None  # set only if the guard refuses this step
         self.model.train()
         common = dict(
             scaler=self.scaler,
