@@ -14,7 +14,8 @@ from dstrain.model.transformer import build_model
 
 
 def export_hf(source: Path, out_dir: Path) -> Path:
-    """`source` is a run directory (its latest checkpoint is used) or a step-N folder."""
+    """`source` is a run directory (its newest valid checkpoint is used: full, else model-only)
+    or a step-N folder of either kind."""
     run_dir, ckpt = _locate(source)
     loaded = load_config(run_dir / "config.toml")
     raise_if_errors(loaded.findings)
@@ -29,15 +30,23 @@ def export_hf(source: Path, out_dir: Path) -> Path:
 
 
 def _locate(source: Path) -> tuple[Path, Path]:
-    if (source / ".metadata").exists():  # runs/<name>/checkpoints/step-N
-        return source.parent.parent, source
+    if (source / ".metadata").exists():  # runs/<name>/checkpoints/[model/]step-N
+        run_dir = next((p for p in source.parents if (p / "config.toml").exists()), None)
+        if run_dir is None:
+            raise UserError(
+                f"{source} is a checkpoint outside a run directory (no config.toml above it)",
+                "pass it inside its runs/<name> folder, which holds the model's config.toml",
+                exit_code=1,
+            )
+        return run_dir, source
     if not (source / "config.toml").exists():
         raise UserError(
             f"{source} is neither a run directory nor a checkpoint",
             "pass runs/<name> or runs/<name>/checkpoints/step-N",
             exit_code=1,
         )
-    ckpt = store.latest(source / "checkpoints")
+    folder = source / "checkpoints"
+    ckpt = store.latest(folder) or store.latest_valid(folder, kind="model")
     if ckpt is None:
         raise UserError(f"{source} has no checkpoint yet", "train it first", exit_code=1)
     return source, ckpt

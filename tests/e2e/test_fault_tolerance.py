@@ -194,6 +194,12 @@ def test_async_and_model_only_checkpoints_resume_exactly(common):  # noqa: F811
     assert models == ["step-1", "step-3"]  # the full ones carry the weights at 2 and 4; kept 2
     inspect = _run("-m", "dstrain", "ckpt", "inspect", str(folder.parent), "--json")
     assert inspect.returncode == 0, inspect.stderr
+    hf = _root(common) / "async_hf"
+    export = _run(
+        "-m", "dstrain", "ckpt", "export-hf", str(folder / "model" / "step-3"), "-o", str(hf)
+    )
+    assert export.returncode == 0, export.stderr
+    assert (hf / "model.safetensors").exists() and (hf / "config.json").exists()
     again = _train(common, "async", "train.steps=6", *saves)
     assert again.returncode == 0, again.stderr
     assert _train(common, "async_ref", "train.steps=6").returncode == 0
