@@ -17,6 +17,7 @@ import torch.distributed as dist
 from dstrain.errors import UserError
 from dstrain.metrics.pipeline_timer import PipelineTimer
 from dstrain.parallel.pipeline import Pipeline
+from dstrain.train.heartbeat import TIMEOUT_SIGNS
 from dstrain.train.loss import loss_terms
 from dstrain.train.loss_scale import LossScaler
 from dstrain.train.step import (
@@ -101,15 +102,11 @@ def pipeline_step(
     )
 
 
-# What gloo and NCCL say when a peer never sends, or died.
-_STUCK_SIGNS = ("timed out", "timeout", "connection closed by peer", "connection reset")
-
-
 def _stuck(exc: RuntimeError, pipe: Pipeline) -> Exception:
     """A pipeline peer that stopped responding becomes one clear error naming this rank, its
     stages and the peers it waited for; any other error passes through unchanged."""
     text = str(exc).strip()
-    if not any(sign in text.lower() for sign in _STUCK_SIGNS):
+    if not any(sign in text.lower() for sign in TIMEOUT_SIGNS):
         return exc
     rank, size = dist.get_rank(pipe.group), dist.get_world_size(pipe.group)
     peers = sorted({(rank - 1) % size, (rank + 1) % size} - {rank})
