@@ -76,7 +76,6 @@ __all__ = [
     "latest",
     "latest_valid",
     "load",
-    "save",
     "step_of",
 ]
 
@@ -86,7 +85,7 @@ warnings.filterwarnings(
     "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
 )
 
-latest = latest_valid  # the first version's name, which the trainer and export call
+latest = latest_valid  # the first version's name, which export calls
 
 
 class CheckpointSaveError(UserError):
@@ -239,20 +238,6 @@ class CheckpointWriter:
         if not failed_somewhere:
             return None
         return failure or _save_error(self._last_job, None)
-
-
-def save(
-    folder: Path, step: int, state: dict[str, Any], keep_last_k: int = 0, is_main: bool = True
-) -> Path:
-    """A synchronous full save on the default process group, with only kind and step in its
-    manifest: the first version's API, kept until the trainer holds a CheckpointWriter."""
-    job = _Job(folder, "full", step, {"kind": "full", "step": step}, keep_last_k)
-    prepare_error = _prepare(job) if is_main else None
-    (prepare_failed,) = _any_rank((prepare_error is not None,), None)
-    if prepare_failed:
-        raise _save_error(job, prepare_error)
-    _write_and_publish(job, state, None, is_main)
-    return job.final
 
 
 def load(path: Path, state: dict[str, Any], *, verify: bool = False) -> None:

@@ -234,14 +234,6 @@ def test_an_async_failure_is_raised_by_wait_and_the_next_save_still_runs(tmp_pat
     assert _published(tmp_path) == ["step-1", "step-4"] and not _leftovers(tmp_path)
 
 
-def test_the_first_versions_save_function_still_publishes(tmp_path):
-    path = store.save(tmp_path, 4, _state(4.0), keep_last_k=1)
-    store.save(tmp_path, 5, _state(5.0), keep_last_k=1)
-    assert path == tmp_path / "step-4" and _published(tmp_path) == ["step-5"]
-    assert manifest.read_meta(tmp_path / "step-5")["kind"] == "full"
-    assert store.latest(tmp_path) == tmp_path / "step-5"
-
-
 def test_a_bug_is_not_disguised_as_a_save_error(tmp_path):
     with pytest.raises(ValueError, match="kind"):
         _writer(tmp_path).save(1, _state(1.0), {}, kind="weights")  # type: ignore[arg-type]
