@@ -16,17 +16,18 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.distributed.harness import REPO
-from tests.e2e.test_train_parallel_cli import _metrics, _run, common  # noqa: F401 (fixture)
+from tests.e2e.test_train_parallel_cli import (  # noqa: F401 (common: a fixture)
+    _metrics,
+    _run,
+    common,
+    run_root,
+)
 
 pytestmark = pytest.mark.slow
 
 
 def _sets(*overrides: str) -> list[str]:
     return [arg for o in overrides for arg in ("--set", o)]
-
-
-def _root(common: list[str]) -> Path:  # noqa: F811
-    return Path(next(a for a in common if a.startswith("run.root=")).split("=", 1)[1])
 
 
 def _train(common, name, *extra, nproc=1, fault=None, args=()):  # noqa: F811
@@ -46,7 +47,7 @@ def _losses(common, name):  # noqa: F811
 
 
 def _summary(common, name):  # noqa: F811
-    return json.loads((_root(common) / name / "summary.json").read_text())
+    return json.loads((run_root(common) / name / "summary.json").read_text())
 
 
 def _weights(checkpoint: Path, tmp: Path) -> dict[str, torch.Tensor]:
@@ -67,7 +68,7 @@ def test_a_killed_worker_restarts_the_group_and_loses_nothing(common, tmp_path):
     assert _losses(common, "kill") == _losses(common, "kill_ref")
     summary = _summary(common, "kill")
     assert summary["elastic_restarts"] == 1 and summary["recomputed_steps"] == 1
-    ckpts = _root(common)
+    ckpts = run_root(common)
     a = _weights(ckpts / "kill" / "checkpoints" / "step-8", tmp_path)
     b = _weights(ckpts / "kill_ref" / "checkpoints" / "step-8", tmp_path)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -82,7 +83,7 @@ def test_a_killed_worker_restarts_the_group_and_loses_nothing(common, tmp_path):
 def test_a_damaged_newest_checkpoint_is_skipped(common, damage):  # noqa: F811
     name = f"damaged_{damage}"
     assert _train(common, name, "train.steps=4").returncode == 0
-    shard = next((_root(common) / name / "checkpoints" / "step-4").glob("*.distcp"))
+    shard = next((run_root(common) / name / "checkpoints" / "step-4").glob("*.distcp"))
     data = bytearray(shard.read_bytes())
     if damage == "flip":
         data[len(data) // 2] ^= 0xFF
@@ -103,7 +104,7 @@ def test_a_full_disk_during_a_save_never_publishes_a_checkpoint(common):  # noqa
     going = _train(common, "full_continue", "train.steps=6", fault="diskfull:rank=0:step=3")
     assert going.returncode == 0, going.stderr
     assert "was not saved" in going.stderr and "File too large" in going.stderr
-    folder = _root(common) / "full_continue" / "checkpoints"
+    folder = run_root(common) / "full_continue" / "checkpoints"
     assert sorted(p.name for p in folder.iterdir() if p.name.startswith("step-")) == ["step-2"]
     assert not list(folder.glob(".*tmp*"))
     assert _summary(common, "full_continue")["checkpoint_failures"] == 2
@@ -118,7 +119,7 @@ def test_a_full_disk_during_a_save_never_publishes_a_checkpoint(common):  # noqa
     )
     assert stopped.returncode == 1 and "Traceback" not in stopped.stderr
     assert "was not saved" in stopped.stderr
-    folder = _root(common) / "full_stop" / "checkpoints"
+    folder = run_root(common) / "full_stop" / "checkpoints"
     assert sorted(p.name for p in folder.iterdir() if p.name.startswith("step-")) == ["step-2"]
 
 
@@ -127,7 +128,7 @@ def test_sigterm_saves_a_final_checkpoint_and_exits_cleanly(common):  # noqa: F8
     cmd = [sys.executable, "-m", "dstrain", "train", "--nproc", "2", *common]
     cmd += _sets("run.name=preempt", "train.steps=500", "checkpoint.interval=1000")
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    metrics = _root(common) / "preempt" / "metrics.jsonl"
+    metrics = run_root(common) / "preempt" / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and (
         not metrics.exists() or len(metrics.read_text().splitlines()) < 3
@@ -141,7 +142,7 @@ def test_sigterm_saves_a_final_checkpoint_and_exits_cleanly(common):  # noqa: F8
     assert "preempted (SIGTERM) after step" in err and "final checkpoint saved" in err
     summary = _summary(common, "preempt")
     assert summary["preempted"] and summary["steps"] >= 3
-    final = _root(common) / "preempt" / "checkpoints" / f"step-{summary['steps']}"
+    final = run_root(common) / "preempt" / "checkpoints" / f"step-{summary['steps']}"
     assert (final / "manifest.json").exists()
     print(f"sigterm: checkpoint at step {summary['steps']}, exit {took:.1f} s after the signal")
 
@@ -188,13 +189,13 @@ def test_async_and_model_only_checkpoints_resume_exactly(common):  # noqa: F811
     saves = ("checkpoint.async_mode=async", "checkpoint.model_only_interval=1")
     first = _train(common, "async", "train.steps=4", *saves)
     assert first.returncode == 0, first.stderr
-    folder = _root(common) / "async" / "checkpoints"
+    folder = run_root(common) / "async" / "checkpoints"
     assert sorted(p.name for p in folder.glob("step-*")) == ["step-2", "step-4"]
     models = sorted(p.name for p in (folder / "model").glob("step-*"))
     assert models == ["step-1", "step-3"]  # the full ones carry the weights at 2 and 4; kept 2
     inspect = _run("-m", "dstrain", "ckpt", "inspect", str(folder.parent), "--json")
     assert inspect.returncode == 0, inspect.stderr
-    hf = _root(common) / "async_hf"
+    hf = run_root(common) / "async_hf"
     export = _run(
         "-m", "dstrain", "ckpt", "export-hf", str(folder / "model" / "step-3"), "-o", str(hf)
     )

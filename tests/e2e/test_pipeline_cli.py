@@ -5,11 +5,15 @@ and a stuck pipeline rank ends in one clear timeout error instead of a hang."""
 import json
 import os
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_train_parallel_cli import _metrics, _run, common  # noqa: F401 (fixture)
+from tests.e2e.test_train_parallel_cli import (  # noqa: F401 (common: a fixture)
+    _metrics,
+    _run,
+    common,
+    run_root,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +58,7 @@ def test_pipeline_run_logs_bubble_and_resumes_exactly(common):  # noqa: F811
     assert all(0 <= row["pipeline/bubble_fraction"] < 1 for row in rows)
     # ZB1P with the measured F, B, W: a few percent for 4 micro-batches on 2 ranks.
     assert all(0 <= row["pipeline/bubble_fraction_theory"] < 0.2 for row in rows)
-    run_dir = Path(next(a for a in common if a.startswith("run.root=")).split("=", 1)[1])
+    run_dir = run_root(common)
     summary = json.loads((run_dir / "pp_whole" / "summary.json").read_text())
     assert 0 <= summary["pipeline_bubble_fraction"] < 1
 

@@ -41,9 +41,13 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+def run_root(common: list[str]) -> Path:
+    """The runs folder the `common` overrides point at."""
+    return Path(next(a for a in common if a.startswith("run.root=")).split("=", 1)[1])
+
+
 def _metrics(common: list[str], name: str) -> list[dict]:
-    root = Path(next(a for a in common if a.startswith("run.root=")).split("=", 1)[1])
-    lines = (root / name / "metrics.jsonl").read_text().splitlines()
+    lines = (run_root(common) / name / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
 
 
