@@ -12,6 +12,7 @@ from dstrain.cli import (
     convert,
     loss_compare,
     not_built,
+    report,
     schedule,
     status,
     train,
@@ -19,7 +20,18 @@ from dstrain.cli import (
 from dstrain.cli.common import run_guarded
 
 # Each module has `register(subparsers)`, which adds its subcommand(s) and sets `func`.
-COMMANDS = (check, convert, config_cmd, train, status, ckpt, loss_compare, schedule, not_built)
+COMMANDS = (
+    check,
+    convert,
+    config_cmd,
+    train,
+    status,
+    ckpt,
+    loss_compare,
+    schedule,
+    report,
+    not_built,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

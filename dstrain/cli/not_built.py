@@ -19,7 +19,6 @@ PENDING = (
         "the cluster-tooling issue",
     ),
     ("deploy", "render Docker, Kubernetes or Slurm launch files", "the cluster-tooling issue"),
-    ("report", "plot a run: loss, MFU, comm share, bubble, expert load", "the observability issue"),
 )
 
 

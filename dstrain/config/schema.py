@@ -295,7 +295,15 @@ class MetricsConfig(Section):
     prometheus_host: str = Field("127.0.0.1", description="Address the Prometheus exporter binds.")
     wandb: bool = Field(False, description="Log to Weights & Biases in offline mode if installed.")
     timers: bool = Field(
-        True, description="Time data, forward, backward, optimizer and checkpoint phases."
+        True,
+        description="Time the phases (data, forward, backward, optimizer, checkpoint) and the "
+        "collectives ranks block on (comm/exposed_fraction).",
+    )
+    profile_steps: str | None = Field(
+        None,
+        pattern=r"^[1-9][0-9]*:[1-9][0-9]*$",
+        description="`A:B`: record a torch.profiler trace of steps A to B (inclusive) into "
+        "runs/<name>/profile/ (one Chrome trace per rank; open in Perfetto or chrome://tracing).",
     )
 
 

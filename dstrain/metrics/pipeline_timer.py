@@ -26,18 +26,30 @@ import torch
 import torch.distributed as dist
 import torch.distributed.pipelining.schedules as upstream
 
+from dstrain.metrics.spans import Spans
 from dstrain.planner.bubble import Costs, theoretical_bubble
 
 KINDS = ("F", "B", "I", "W", "L", "R")  # L: the loss on the last stage; R: p2p waits
 COMPUTE = KINDS[:5]
+PHASE_OF = {"F": "forward", "L": "forward", "B": "backward", "I": "backward", "W": "backward"}
 _ACTIVE: list["PipelineTimer"] = []  # the timer of the step in flight (one pipeline per process)
 
 
 class PipelineTimer:
     """Accumulates compute time per action kind and the busy interval, over a logging window."""
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        phases: Spans | None = None,
+        after_backward: Callable[[], None] | None = None,
+    ) -> None:
+        """`phases`: where the compute actions also count, as forward and backward time;
+        `after_backward`: called after each B and W action (the communication timer closes
+        DDP's exposed all-reduce there)."""
         self.group = group
+        self.phases = phases
+        self.after_backward = after_backward
         self.window = torch.zeros(2 + 2 * len(KINDS), dtype=torch.float64)
         self.run_bubble: list[float] = []
         self._t0 = 0.0
@@ -121,9 +133,14 @@ class PipelineTimer:
             try:
                 return fn(*args, **kwargs)
             finally:
-                at = slot[kind_of(*args, **kwargs)]
-                self.window[at] += time.perf_counter() - start
-                self.window[at + 1] += 1
+                kind = kind_of(*args, **kwargs)
+                seconds = time.perf_counter() - start
+                self.window[slot[kind]] += seconds
+                self.window[slot[kind] + 1] += 1
+                if self.phases is not None and kind in PHASE_OF:
+                    self.phases.add(PHASE_OF[kind], seconds)
+                if self.after_backward is not None and kind in ("B", "W"):
+                    self.after_backward()
 
         return timed
 

@@ -1,12 +1,16 @@
-"""Where metrics go: JSONL (one object per logged step) and TensorBoard."""
+"""Where metrics go: JSONL (one object per logged step) and TensorBoard. (The Prometheus exporter
+and W&B live in files of their own.) A metric value is a float, or a list of floats for
+per-expert token counts."""
 
 import json
 from pathlib import Path
 from typing import Protocol
 
+Metrics = dict[str, float | list[float]]
+
 
 class Sink(Protocol):
-    def write(self, step: int, metrics: dict[str, float]) -> None: ...
+    def write(self, step: int, metrics: Metrics) -> None: ...
 
     def rewind(self, step: int) -> None:
         """Forget what was logged after `step` (a rollback recomputes those steps)."""
@@ -28,7 +32,7 @@ class JsonlSink:
         _truncate_after(self.path, step)
         self.handle = self.path.open("a", encoding="utf-8")
 
-    def write(self, step: int, metrics: dict[str, float]) -> None:
+    def write(self, step: int, metrics: Metrics) -> None:
         self.handle.write(json.dumps({"step": step, **metrics}) + "\n")
         self.handle.flush()
 
@@ -42,8 +46,10 @@ class TensorBoardSink:
 
         self.writer = SummaryWriter(log_dir=str(folder))
 
-    def write(self, step: int, metrics: dict[str, float]) -> None:
+    def write(self, step: int, metrics: Metrics) -> None:
         for key, value in metrics.items():
+            if isinstance(value, list):  # per-expert counts: the report draws them as a heatmap
+                continue
             self.writer.add_scalar(key, value, step)
 
     def rewind(self, step: int) -> None:

@@ -33,14 +33,12 @@ shards them further as a 2-D (efsdp, ep) parameter, as torchtitan does.
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
-from torch.distributed._functional_collectives import (
-    all_to_all_single,
-    all_to_all_single_autograd,
-)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from dstrain.metrics.comm_timer import label_backward
 from dstrain.model.moe import MoE, grouped_swiglu
 from dstrain.model.transformer import Transformer
 
@@ -90,13 +88,15 @@ class ExpertParallelExperts(nn.Module):
         group = self.ep_mesh.get_group()
         W, L = self.ep_mesh.size(), self.num_local_experts
         # recv_WL[i, l]: rows rank i sends to my local expert l (even splits of L counts).
-        recv_WL = all_to_all_single(counts_E, None, None, group).view(W, L)
+        # Through the module (not imported names): the communication timer counts these.
+        recv_WL = funcol.all_to_all_single(counts_E, None, None, group).view(W, L)
         # Host-device sync: the all-to-all split sizes must be Python ints (one .tolist()).
         send_W, recv_W = torch.stack([counts_E.view(W, L).sum(1), recv_WL.sum(1)]).tolist()
-        x_RD = all_to_all_single_autograd(x_TD, recv_W, send_W, group)
+        x_RD = label_backward(funcol.all_to_all_single_autograd(x_TD, recv_W, send_W, group), "ep")
         order_R, inverse_R = _by_local_expert(recv_WL, sum(recv_W))
         y_RD = self._local_experts(x_RD[order_R], recv_WL.sum(0))[inverse_R]
-        return all_to_all_single_autograd(y_RD, send_W, recv_W, group)
+        y_TD = funcol.all_to_all_single_autograd(y_RD, send_W, recv_W, group)
+        return label_backward(y_TD, "ep")
 
     def _local_experts(self, x_RD: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
         # GroupedExperts.forward on the local shards.

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from dstrain.errors import UserError
 from dstrain.metrics.pipeline_timer import PipelineTimer
+from dstrain.metrics.probes import NO_PROBES, Probes
 from dstrain.parallel.pipeline import Pipeline
 from dstrain.train.heartbeat import TIMEOUT_SIGNS
 from dstrain.train.loss import loss_terms
@@ -27,6 +28,7 @@ from dstrain.train.step import (
     apply_update,
     autocast,
     global_counts,
+    own_mean,
     set_aux_scale,
 )
 
@@ -47,9 +49,13 @@ def pipeline_step(
     timer: PipelineTimer,
     finish_grads: Callable[[], None] | None = None,
     guard: Guard | None = None,
+    probes: Probes = NO_PROBES,
 ) -> StepResult:
+    """`probes` time the optimizer phase and the collectives; the forward and backward phases
+    are the pipeline timer's F, B, I, W and loss actions."""
     device = next(pipe.model.parameters()).device
-    counts = global_counts([mb[:, 1:].to(device) for mb in micro_batches], num_mtp, dp)
+    labels = [mb[:, 1:].to(device) for mb in micro_batches]
+    counts = global_counts(labels, num_mtp, dp)
     multiplier = scaler.loss_multiplier()
     set_aux_scale(pipe.model, multiplier / len(micro_batches))
 
@@ -72,28 +78,30 @@ def pipeline_step(
         timer.stop()
     except RuntimeError as exc:
         raise _stuck(exc, pipe) from exc
-    if pipe.tied is not None:
-        pipe.tied.sum_grads()
-    if finish_grads is not None:
-        finish_grads()
-    zero = torch.zeros((), device=device)
-    sums = torch.stack([pipe.loss.parts.get(k, zero) for k in ("main", "mtp")])
-    dist.all_reduce(sums, group=pipe.group)  # the loss lives on the last stage's rank
-    sums = dp.sum(sums)
-    grad_norm, applied, load = apply_update(
-        pipe.model,
-        optimizer,
-        scaler,
-        sums[0],
-        grad_clip,
-        bias_update_speed,
-        dp,
-        guard,
-        pp_group=pipe.group,
-        uncounted=_uncounted(pipe),
-    )
+    with probes.phase("optimizer"):
+        if pipe.tied is not None:
+            pipe.tied.sum_grads()
+        if finish_grads is not None:
+            finish_grads()
+        zero = torch.zeros((), device=device)
+        local = torch.stack([pipe.loss.parts.get(k, zero) for k in ("main", "mtp")])
+        dist.all_reduce(local, group=pipe.group)  # the loss lives on the last stage's rank
+        sums = dp.sum(local.clone())
+        grad_norm, applied, load = apply_update(
+            pipe.model,
+            optimizer,
+            scaler,
+            sums[0],
+            grad_clip,
+            bias_update_speed,
+            dp,
+            guard,
+            pp_group=pipe.group,
+            uncounted=_uncounted(pipe),
+        )
     return StepResult(
         loss=sums[0],
+        local_loss=own_mean(local[0], labels, counts),
         mtp_loss=sums[1] if num_mtp else None,
         grad_norm=grad_norm,
         skipped=not applied,

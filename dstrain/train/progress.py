@@ -16,6 +16,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from dstrain.metrics.sinks import Metrics
+
 PREFIX = "[dstrain]"
 _console = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -51,7 +53,7 @@ class TrainProgress:
     def advance(self) -> None:
         self.progress.advance(self.task)
 
-    def report(self, step: int, metrics: dict[str, float]) -> None:
+    def report(self, step: int, metrics: Metrics) -> None:
         stats = _format(metrics)
         self.progress.update(self.task, stats=_compact(metrics))
         if self.progress.disable:
@@ -60,7 +62,7 @@ class TrainProgress:
             self.progress.console.print(f"{PREFIX} step {step}: {stats}", markup=False)
 
 
-def _compact(m: dict[str, float]) -> str:
+def _compact(m: Metrics) -> str:
     """The bar's short form, to fit an 80-column terminal."""
     parts = [
         f"loss {m['loss/main']:.3f}",
@@ -72,7 +74,7 @@ def _compact(m: dict[str, float]) -> str:
     return " ".join(parts)
 
 
-def _format(m: dict[str, float]) -> str:
+def _format(m: Metrics) -> str:
     parts = [f"loss {m['loss/main']:.4f}"]
     if "loss/mtp" in m:
         parts.append(f"mtp {m['loss/mtp']:.4f}")
@@ -80,4 +82,12 @@ def _format(m: dict[str, float]) -> str:
     parts.append(f"{m['throughput/tokens_per_s']:,.0f} tok/s")
     if "throughput/mfu" in m:
         parts.append(f"MFU {100 * m['throughput/mfu']:.1f}%")
+    if "comm/exposed_fraction" in m:
+        parts.append(f"comm {100 * m['comm/exposed_fraction']:.0f}%")
+    if "pipeline/bubble_fraction" in m:
+        parts.append(f"bubble {100 * m['pipeline/bubble_fraction']:.0f}%")
+    if "memory/peak_allocated_mb" in m:
+        parts.append(f"mem {m['memory/peak_allocated_mb'] / 1024:.1f} GiB")
+    elif "memory/rss_mb" in m:
+        parts.append(f"rss {m['memory/rss_mb']:,.0f} MB")
     return "  ".join(parts)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from dstrain.metrics.probes import NO_PROBES, Probes
 from dstrain.model.moe import MoE, Router
 from dstrain.train.loss import TokenCounts, loss_terms
 from dstrain.train.loss_scale import LossScaler
@@ -28,6 +29,7 @@ class StepResult:
     """Detached results of one step; `.item()` them only when logging (host sync on GPU)."""
 
     loss: torch.Tensor  # the global mean over every dp rank's tokens
+    local_loss: torch.Tensor  # this dp rank's own mean (its tokens only)
     mtp_loss: torch.Tensor | None
     grad_norm: torch.Tensor
     skipped: bool
@@ -69,10 +71,11 @@ def train_step(
     dp: DataParallel = DataParallel(),
     finish_grads: Callable[[], None] | None = None,
     guard: "Guard | None" = None,
+    probes: Probes = NO_PROBES,
 ) -> StepResult:
     """`finish_grads` runs after the last backward, before clipping: the gradient reductions the
     DP wrappers do not do (expert-parallel experts). `guard(loss, grad_norm)` may refuse the
-    update (the numerics guard)."""
+    update (the numerics guard). `probes` time the phases and the collectives."""
     device = next(model.parameters()).device
     labels = [mb[:, 1:].to(device) for mb in micro_batches]
     counts = global_counts(labels, num_mtp, dp)
@@ -82,21 +85,32 @@ def train_step(
     loss = torch.zeros((), device=device)
     mtp_loss = torch.zeros((), device=device) if num_mtp else None
     for i, (mb, lab) in enumerate(zip(micro_batches, labels, strict=True)):
-        with _no_sync(model, last=i == len(micro_batches) - 1), autocast(precision, device):
-            outputs = model(mb[:, :-1].to(device))
-        total, parts = loss_terms(outputs, lab, counts, mtp_weight)
-        (total * (scaler.loss_multiplier() * dp.size)).backward()
+        with probes.phase("forward"):
+            last = i == len(micro_batches) - 1
+            with _no_sync(model, last=last), autocast(precision, device):
+                outputs = model(mb[:, :-1].to(device))
+            total, parts = loss_terms(outputs, lab, counts, mtp_weight)
+        with probes.phase("backward"):
+            (total * (scaler.loss_multiplier() * dp.size)).backward()
         loss = loss + parts["main"]
         if mtp_loss is not None:
             mtp_loss = mtp_loss + parts["mtp"]
-    if finish_grads is not None:
-        finish_grads()
-    loss = dp.sum(loss.detach())
-    mtp_loss = dp.sum(mtp_loss.detach()) if mtp_loss is not None else None
-    grad_norm, applied, load = apply_update(
-        model, optimizer, scaler, loss, grad_clip, bias_update_speed, dp, guard
-    )
-    return StepResult(loss, mtp_loss, grad_norm, not applied, counts.per_depth[0], load)
+    with probes.phase("optimizer"):
+        if finish_grads is not None:
+            finish_grads()
+        local_loss = own_mean(loss.detach(), labels, counts)
+        loss = dp.sum(loss.detach())
+        mtp_loss = dp.sum(mtp_loss.detach()) if mtp_loss is not None else None
+        grad_norm, applied, load = apply_update(
+            model, optimizer, scaler, loss, grad_clip, bias_update_speed, dp, guard
+        )
+    return StepResult(loss, local_loss, mtp_loss, grad_norm, not applied, counts.per_depth[0], load)
+
+
+def own_mean(share: torch.Tensor, labels: list[torch.Tensor], counts: TokenCounts) -> torch.Tensor:
+    """A rank's share of the global mean loss, turned into the mean over its own tokens."""
+    own = TokenCounts.of(labels, 0).per_depth[0]
+    return share * (counts.per_depth[0] / max(own, 1))
 
 
 Guard = Callable[[torch.Tensor, torch.Tensor], bool]

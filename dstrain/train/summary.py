@@ -1,5 +1,6 @@
-"""summary.json: the final figures of a run (throughput, MFU, memory, pipeline bubble, and the
-fault-tolerance ones: goodput, restarts, recomputed steps, guard events, failed saves)."""
+"""summary.json: the final figures of a run (throughput, MFU, exposed communication, pipeline
+bubble, peak memory, and the fault-tolerance ones: goodput, restarts, recomputed steps, guard
+events, failed saves)."""
 
 import json
 from dataclasses import asdict, dataclass
@@ -10,11 +11,14 @@ from pathlib import Path
 class RunSummary:
     steps: int
     final_loss: float
-    tokens_per_s: float
+    tokens_per_s: float  # global, over the whole run (this attempt)
+    tflops_per_device: float  # model FLOPs
     mfu: float
-    peak_rss_mb: float
+    comm_exposed_fraction: float | None  # mean over the logged windows; None: timers off
+    pipeline_bubble_fraction: float | None  # mean over the logged windows; None: no PP
+    peak_rss_mb: float  # max over ranks
+    peak_gpu_allocated_mb: float | None  # max over ranks; None: not on GPUs
     wall_s: float
-    pipeline_bubble_fraction: float | None = None  # mean over the logged windows
     bad_steps: int = 0  # refused by the numerics guard
     checkpoint_failures: int = 0
     preempted: bool = False

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from dstrain import __version__
 from dstrain.config.batch import BatchPlan, resolve_batch
@@ -20,8 +21,17 @@ from dstrain.config.validate import raise_if_errors
 from dstrain.data.build import build_dataset
 from dstrain.data.loader import DataLoader
 from dstrain.errors import UserError
+from dstrain.metrics.comm_timer import CommTimer, axis_of_groups
 from dstrain.metrics.peak import peak_flops
 from dstrain.metrics.pipeline_timer import PipelineTimer
+from dstrain.metrics.probes import NO_PROBES, Probes
+from dstrain.metrics.processor import (
+    MetricsProcessor,
+    StepFigures,
+    Throughput,
+    Window,
+    peak_rss_mb,
+)
 from dstrain.metrics.sinks import JsonlSink, Sink, TensorBoardSink
 from dstrain.model.flops import param_counts, training_flops_per_token
 from dstrain.model.transformer import build_model
@@ -40,9 +50,9 @@ from dstrain.train.lr import build_scheduler
 from dstrain.train.optim import build_optimizer
 from dstrain.train.pipeline_step import pipeline_step
 from dstrain.train.preemption import Preemption
+from dstrain.train.profiling import StepProfiler
 from dstrain.train.progress import TrainProgress, log
 from dstrain.train.step import DataParallel, StepResult, train_step
-from dstrain.train.step_metrics import Throughput, Window, peak_rss_mb, step_metrics
 from dstrain.train.summary import RunSummary, write_summary
 
 
@@ -63,6 +73,7 @@ class Trainer:
         )
         self.pipeline: Pipeline | None = None
         self.model = self._build_model()
+        self.probes = self._build_probes()
         self.pipeline_timer = self._build_pipeline_timer()
         self.optimizer = build_optimizer(self.model, config.optim, zero1_group=self._zero1_group())
         self.scheduler = build_scheduler(self.optimizer, config.lr, config.train.steps)
@@ -82,7 +93,15 @@ class Trainer:
         self.sinks = self._build_sinks()
         self.flops_per_token = training_flops_per_token(self.model_args, config.train.seq_len)
         self.peak = peak_flops(self.device, config.train.precision)
-        self.throughput = Throughput(self.world.world_size, self.flops_per_token, self.peak)
+        self.metrics = MetricsProcessor(
+            self.model,
+            Throughput(self.world.world_size, self.flops_per_token, self.peak),
+            self.probes,
+            self.device,
+        )
+        self.profiler = StepProfiler(
+            config.metrics.profile_steps, self.run_dir / "profile", self.world.rank, self.device
+        )
         self._log_start()
 
     def _build_determinism(self) -> None:
@@ -158,10 +177,34 @@ class Trainer:
         )
         return self.pipeline.model
 
+    def _build_probes(self) -> Probes:
+        """Phase timers and the communication timer (metrics.timers), watching DDP's buckets."""
+        if not self.config.metrics.timers:
+            return NO_PROBES
+        if self.meshes is None:
+            return Probes(self.device)
+        tied = self.pipeline.tied if self.pipeline is not None else None
+        extra = {"pp": tied.group} if tied is not None else {}
+        comm = CommTimer(self.device, axis_of_groups(self.meshes, extra))
+        if self.pipeline is not None:
+            wrapped = [stage.submod for stage in self.pipeline.stages]
+        else:
+            wrapped = [self.model]
+        for module in wrapped:
+            if isinstance(module, DistributedDataParallel):
+                comm.watch_ddp(module, pipelined=self.pipeline is not None)
+        comm.start()
+        return Probes(self.device, comm)
+
     def _build_pipeline_timer(self) -> PipelineTimer | None:
         if self.pipeline is None:
             return None
-        timer = PipelineTimer(self.pipeline.group)
+        comm = self.probes.comm
+        timer = PipelineTimer(
+            self.pipeline.group,
+            phases=self.probes.spans,
+            after_backward=comm.backward_done if comm is not None else None,
+        )
         timer.instrument(self.pipeline.stages)
         return timer
 
@@ -177,16 +220,34 @@ class Trainer:
         )
 
     def _build_sinks(self) -> list[Sink]:
+        """Rank 0 writes the files; every rank may serve Prometheus."""
         if not self.world.is_main:
-            return []
+            return self._build_exporter()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(to_toml(self._resolved_config()))
-        sinks: list[Sink] = []
+        sinks: list[Sink] = self._build_exporter()
         if self.config.metrics.jsonl:
             sinks.append(JsonlSink(self.run_dir / "metrics.jsonl", after_step=self.step))
         if self.config.metrics.tensorboard:
             sinks.append(TensorBoardSink(self.run_dir / "tb"))
+        if self.config.metrics.wandb:
+            from dstrain.metrics.wandb_sink import WandbSink  # imports wandb: only when asked
+
+            config = self._resolved_config().model_dump(mode="json")
+            sinks.append(WandbSink(self.run_dir, run=self.config.run.name, config=config))
         return sinks
+
+    def _build_exporter(self) -> list[Sink]:
+        """Every rank serves its own Prometheus endpoint, on port + its local rank."""
+        m = self.config.metrics
+        if m.prometheus_port is None:
+            return []
+        from dstrain.metrics.prometheus import PrometheusSink  # imports prometheus_client
+
+        port = m.prometheus_port + env_int("LOCAL_RANK", 0)
+        return [
+            PrometheusSink(port, m.prometheus_host, run=self.config.run.name, rank=self.world.rank)
+        ]
 
     def _resolved_config(self) -> DstrainConfig:
         """The config as it ran: under PP with the micro-batch count the schedule used (what
@@ -222,7 +283,8 @@ class Trainer:
 
     def save_checkpoint(self, kind: str = "full") -> None:
         self.heartbeat.beat(self.step, "checkpoint")
-        self.checkpoints.save(self.step, self._meta(), kind)
+        with self.probes.phase("checkpoint"), self.probes.quiet():
+            self.checkpoints.save(self.step, self._meta(), kind)
 
     def _meta(self) -> dict[str, Any]:
         """What `dstrain ckpt inspect/diff` and a resume read without loading tensors."""
@@ -296,9 +358,11 @@ class Trainer:
         with TrainProgress(cfg.train.steps, self.step, enabled=self.world.is_main) as progress:
             while self.step < cfg.train.steps:
                 self.heartbeat.beat(self.step, "step")
+                self.profiler.before(self.step + 1)
                 window.start()
                 last = self._guarded_step()
                 seconds = window.stop(last.tokens)
+                self._profiled()
                 if not last.skipped:
                     self.clock.add(seconds)
                 elif self.guard.last_reason is not None and self._on_bad_step():
@@ -336,16 +400,30 @@ class Trainer:
             log(f"numerics guard: {reason}; step {self.step} skipped (its batch is dropped)")
         return False
 
+    def _profiled(self) -> None:
+        path = self.profiler.after(self.step)
+        if path is not None and self.world.is_main:
+            log(f"profiler trace of steps {self.config.metrics.profile_steps} -> {path.parent}")
+
     def _log_metrics(self, last: StepResult, window: Window, progress: TrainProgress) -> None:
-        metrics = step_metrics(last, window, self.optimizer, self.scaler, self.throughput)
+        figures = StepFigures(
+            loss=last.loss,
+            grad_norm=last.grad_norm,
+            local_loss=last.local_loss,
+            lr=self.optimizer.param_groups[0]["lr"],
+            mtp_loss=last.mtp_loss,
+            loss_scale=self.scaler.scale if self.scaler.enabled else None,
+            expert_load=last.expert_load,
+        )
+        metrics = self.metrics.collect(figures, window)
         metrics["guard/bad_steps"] = float(self.guard.events)
         if self.pipeline_timer is not None:
             p = self.config.parallel
-            metrics.update(
-                self.pipeline_timer.collect(
+            with self.probes.quiet():
+                bubble = self.pipeline_timer.collect(
                     p.pp_schedule, self.batch.grad_accum_steps, p.num_virtual_stages
                 )
-            )
+            metrics.update(bubble)
         for sink in self.sinks:
             sink.write(self.step, metrics)
         if self.world.is_main:
@@ -360,7 +438,8 @@ class Trainer:
             self.save_checkpoint()
         elif ckpt.model_only_interval and self.step % ckpt.model_only_interval == 0:
             self.save_checkpoint("model")
-        self.checkpoints.poll()
+        with self.probes.phase("checkpoint"), self.probes.quiet():
+            self.checkpoints.poll()
 
     def _preempt(self) -> None:
         """SIGTERM: a final checkpoint if the deadline leaves time for one, then a clean exit."""
@@ -391,9 +470,11 @@ class Trainer:
             dp=self.dp,
             finish_grads=self._finish_grads,
             guard=self.guard.allow,
+            probes=self.probes,
         )
         self.heartbeat.beat(self.step, "data")
-        batch = self.loader.next_step()
+        with self.probes.phase("data"):
+            batch = self.loader.next_step()
         self.heartbeat.beat(self.step, "compute")
         with self._faulty_forward():
             result = self._run_step(batch, common)
@@ -427,24 +508,26 @@ class Trainer:
 
     def _finish(self, start: int, started: float, last: StepResult | None) -> RunSummary:
         self.checkpoints.close()
+        self.profiler.finish()
         self.heartbeat.beat(self.step, "done")
         wall = time.perf_counter() - started
         tokens = (self.step - start) * self.batch.global_batch_size * self.config.train.seq_len
         tokens_per_s = tokens / wall if wall > 0 else 0.0
+        per_device = tokens_per_s * self.flops_per_token / self.world.world_size
+        peaks = self.metrics.run_peaks
         summary = RunSummary(
             steps=self.step,
             final_loss=last.loss.item() if last is not None else float("nan"),
             tokens_per_s=tokens_per_s,
-            mfu=(
-                tokens_per_s * self.flops_per_token / (self.peak * self.world.world_size)
-                if self.peak
-                else 0.0
-            ),
-            peak_rss_mb=peak_rss_mb(),
-            wall_s=wall,
+            tflops_per_device=per_device / 1e12,
+            mfu=per_device / self.peak if self.peak else 0.0,
+            comm_exposed_fraction=self.metrics.mean_comm_fraction(),
             pipeline_bubble_fraction=(
                 self.pipeline_timer.mean_bubble() if self.pipeline_timer is not None else None
             ),
+            peak_rss_mb=peaks.get("memory/peak_rss_mb", peak_rss_mb()),
+            peak_gpu_allocated_mb=peaks.get("memory/peak_allocated_mb"),
+            wall_s=wall,
             bad_steps=self.guard.events,
             checkpoint_failures=self.checkpoints.failures,
             preempted=self.preempted,

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from dstrain.config.load import load_config
-from dstrain.train.step_metrics import Window
+from dstrain.metrics.processor import Window
 from dstrain.train.trainer import Trainer
 from tests.distributed.harness import worker_main
 

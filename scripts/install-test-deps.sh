@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# System programs the test suite drives: a real Prometheus server (the exporter's scrape test)
+# and headless Chromium (the report's browser test). Installs them with apt-get when missing and
+# this shell may (root); otherwise says what to install. Python packages come from pyproject.
+set -euo pipefail
+missing=()
+command -v prometheus >/dev/null || missing+=(prometheus)
+command -v chromium >/dev/null || missing+=(chromium)
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+  echo "+ apt-get install ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+else
+  echo "the tests need: ${missing[*]} (Debian: sudo apt-get install ${missing[*]});" \
+    "or set DSTRAIN_ALLOW_MISSING_TOOLS=1 to skip the tests that drive them" >&2
+fi

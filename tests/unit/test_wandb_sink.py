@@ -1,0 +1,72 @@
+"""The W&B sink writes an offline run whose history holds what was logged, at the logged steps."""
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from dstrain.errors import UserError
+from dstrain.metrics.wandb_sink import WandbSink
+
+BLOCK = 32768  # the .wandb file is a LevelDB-style log: 32 KiB blocks of framed records
+
+
+def wandb_records(path: Path) -> list[bytes]:
+    """The protobuf records of a run-*.wandb file (W&B ships no Python reader for it)."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", "not a .wandb file"
+    records, pos, pending = [], 7, b""  # a 7-byte file header, then 7-byte record headers
+    while pos + 7 <= len(data):
+        if BLOCK - pos % BLOCK < 7:  # a block's tail too short for a header is padding
+            pos += BLOCK - pos % BLOCK
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL, or LAST of a record split over blocks
+            records.append(pending)
+            pending = b""
+    return records
+
+
+def history(path: Path) -> dict[int, dict[str, object]]:
+    """{step: {key: value}} from the history records."""
+    from wandb.proto import wandb_internal_pb2
+
+    rows = {}
+    for raw in wandb_records(path):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "history":
+            items = record.history.item
+            rows[record.history.step.num] = {
+                item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items
+            }
+    return rows
+
+
+def test_an_offline_run_holds_the_logged_history(tmp_path):
+    pytest.importorskip("wandb")
+    sink = WandbSink(tmp_path / "run", run="unit", config={"model": {"dim": 8}})
+    for step in (10, 20, 30):
+        sink.write(step, {"loss/main": 3.0 - step / 10, "moe/layer1/tokens_per_expert": [3, 0, 5]})
+    sink.rewind(10)
+    sink.write(20, {"loss/main": 99.0})  # a recomputed step: W&B keeps the first value
+    sink.write(40, {"loss/main": 0.5})
+    sink.close()
+
+    (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
+    rows = history(run_file)
+    assert sorted(rows) == [10, 20, 30, 40]
+    assert [rows[step]["loss/main"] for step in (10, 20, 30, 40)] == [2.0, 1.0, 0.0, 0.5]
+    assert rows[10]["moe/layer1/tokens_per_expert/values"] == [3, 0, 5]
+    assert rows[10]["moe/layer1/tokens_per_expert/bins"] == [0, 1, 2, 3]
+
+
+def test_without_wandb_installed_it_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    with pytest.raises(UserError, match="metrics.wandb") as caught:
+        WandbSink(tmp_path, run="unit", config={})
+    assert "pip install wandb" in caught.value.fix
