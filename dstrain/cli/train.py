@@ -11,7 +11,8 @@ from dstrain.config.validate import raise_if_errors
 
 _EPILOG = """\
 The run directory is runs/<run.name>/: config.toml (exactly what ran), metrics.jsonl, tb/
-(TensorBoard), checkpoints/step-N/ with a `latest` pointer, and summary.json.
+(TensorBoard), checkpoints/step-N/ with a `latest` pointer, summary.json, and profile/ with
+--profile-steps.
 A run directory that already holds a checkpoint resumes from it (checkpoint.resume = auto);
 --resume PATH resumes from a given checkpoint; --fresh starts from scratch (and refuses a run
 directory that already holds checkpoints, rather than mixing two runs in it).
@@ -31,6 +32,12 @@ examples:
   dstrain train run.toml --set train.steps=1000 --set run.name=longer
   dstrain train --set data.source=corpus.jsonl --set data.text_field=content
   dstrain train --nproc 2 --max-restarts 3 --set checkpoint.interval=50
+  dstrain train --profile-steps 5:7 --set metrics.prometheus_port=9400
+
+Metrics: every metrics.log_interval steps a line here, metrics.jsonl and tb/ get the keys of
+docs/observability.md (loss, MFU, comm/exposed_fraction, pipeline bubble, memory, time per phase,
+MoE load per layer); metrics.prometheus_port serves them on port + local rank; `dstrain report
+RUN_DIR` plots them.
 """
 
 
@@ -59,6 +66,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="restart the whole group up to K times when a worker dies (torchrun's "
         "restart policy); it resumes from the newest valid checkpoint (default 0)",
     )
+    parser.add_argument(
+        "--profile-steps",
+        type=_step_range,
+        metavar="A:B",
+        help="write a torch.profiler Chrome trace of steps A..B per rank to "
+        "runs/<name>/profile/ (open in ui.perfetto.dev); other steps run unprofiled",
+    )
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--resume", metavar="PATH", help="resume from this checkpoint folder")
     group.add_argument(
@@ -73,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f'checkpoint.resume="{args.resume}"')
     if args.fresh:
         overrides.append("checkpoint.resume=never")
+    if args.profile_steps:
+        overrides.append(f'metrics.profile_steps="{args.profile_steps}"')
     loaded = load_config(args.config, overrides)
     worker = "LOCAL_RANK" in os.environ  # started by torchrun
     if worker:
@@ -112,6 +128,16 @@ def run(args: argparse.Namespace) -> int:
         markup=False,
     )
     return 0
+
+
+def _step_range(text: str) -> str:
+    """`A:B` with 1 <= A <= B (argparse turns the ValueError into a usage error)."""
+    first, sep, last = text.partition(":")
+    if not (sep and first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give two step numbers A:B with 1 <= A <= B (e.g. 5:7)"
+        )
+    return text
 
 
 def _worker_argv(args: argparse.Namespace, overrides: list[str]) -> list[str]:

@@ -4,6 +4,7 @@ Each rule is a small function of a `CheckTarget` that returns findings. `RULES` 
 order they are reported; `dstrain check --rules` prints their one-line descriptions.
 """
 
+import importlib.util
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -421,6 +422,42 @@ def rule_cluster(t: CheckTarget) -> Iterable[Finding]:
         )
 
 
+def rule_metrics(t: CheckTarget) -> Iterable[Finding]:
+    """The profiled steps exist; the exporter's ports fit; W&B is installed when asked for."""
+    m, steps = t.config.metrics, t.config.train.steps
+    if m.profile_steps:
+        first, last = (int(n) for n in m.profile_steps.split(":"))
+        if first > last:
+            yield error(
+                "metrics.profile_steps",
+                f"profile_steps {m.profile_steps}: the first step is after the last",
+                f"write it as {last}:{first}",
+            )
+        elif first > steps:
+            yield warning(
+                "metrics.profile_steps",
+                f"profile_steps {m.profile_steps} starts after the run's last step ({steps}): "
+                "nothing will be profiled",
+                f"profile steps inside 1..{steps}, e.g. {min(5, steps)}:{min(7, steps)}",
+            )
+    if m.prometheus_port is not None and t.world_size:
+        local = min(t.world_size, t.config.cluster.gpus_per_node or t.world_size)
+        if m.prometheus_port + local - 1 > 65535:
+            yield error(
+                "metrics.prometheus_port",
+                f"port {m.prometheus_port} + {local - 1} (rank r serves on port + local rank) "
+                "passes 65535",
+                f"use a port <= {65536 - local}",
+            )
+    if m.wandb and importlib.util.find_spec("wandb") is None:
+        yield warning(
+            "metrics.wandb",
+            "metrics.wandb is on but the `wandb` package is not installed: training will stop "
+            "when it starts its sinks",
+            "pip install wandb, or set metrics.wandb = false",
+        )
+
+
 RULES: list[Rule] = [
     rule_world_size,
     rule_batch,
@@ -435,6 +472,7 @@ RULES: list[Rule] = [
     rule_model,
     rule_paths,
     rule_cluster,
+    rule_metrics,
 ]
 
 

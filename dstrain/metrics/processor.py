@@ -225,6 +225,7 @@ def _memory_now(device: torch.device) -> list[float]:
     statm = Path("/proc/self/statm")
     pages = int(statm.read_text().split()[1]) if statm.exists() else 0
     rss = pages * resource.getpagesize() / 2**20 if pages else peak_rss
+    peak_rss = max(peak_rss, rss)  # the kernel updates ru_maxrss lazily
     if device.type != "cuda":
         return [rss, peak_rss, 0.0, 0.0]
     mb = 2**20

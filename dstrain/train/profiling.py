@@ -1,45 +1,46 @@
 """`--profile-steps A:B`: a torch.profiler trace of steps A..B (1-based, inclusive), one Chrome
 trace per rank in runs/<name>/profile/rank<R>.trace.json (open in https://ui.perfetto.dev or
-chrome://tracing). Only those steps pay the profiler's overhead."""
+chrome://tracing), each step marked `step N`. Only those steps pay the profiler's overhead."""
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-
-
-def parse_steps(spec: str) -> tuple[int, int]:
-    first, last = (int(part) for part in spec.split(":"))
-    return first, last
+from torch.profiler import ProfilerActivity, profile, record_function
 
 
 class StepProfiler:
     def __init__(self, spec: str | None, folder: Path, rank: int, device: torch.device) -> None:
-        self.steps = parse_steps(spec) if spec else None
+        self.steps = tuple(int(n) for n in spec.split(":")) if spec else None
         self.path = folder / f"rank{rank}.trace.json"
         self.activities = [ProfilerActivity.CPU]
         if device.type == "cuda":
             self.activities.append(ProfilerActivity.CUDA)
         self._profile: profile | None = None
+        self.written: Path | None = None  # set when the trace is written
 
-    def before(self, step: int) -> None:
-        """`step` is the 1-based number of the step about to run."""
-        if self.steps is not None and step == self.steps[0] and self._profile is None:
+    @contextlib.contextmanager
+    def step(self, number: int) -> Iterator[None]:
+        """Around step `number` (1-based): starts the trace at A, marks the step, writes the
+        trace after B."""
+        if self.steps is None or not self.steps[0] <= number <= self.steps[1]:
+            yield
+            return
+        if self._profile is None:
             self._profile = profile(activities=self.activities, record_shapes=True)
             self._profile.start()
+        with record_function(f"step {number}"):
+            yield
+        if number == self.steps[1]:
+            self.finish()
 
-    def after(self, step: int) -> Path | None:
-        """Ends the trace after the last profiled step (or a run that stops inside the range);
-        returns the trace's path when it was written."""
-        if self._profile is None or (self.steps is not None and step < self.steps[1]):
-            return None
-        return self.finish()
-
-    def finish(self) -> Path | None:
+    def finish(self) -> None:
+        """Writes the trace (also of a run that stopped inside the range)."""
         if self._profile is None:
-            return None
+            return
         self._profile.stop()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._profile.export_chrome_trace(str(self.path))
         self._profile = None
-        return self.path
+        self.written = self.path

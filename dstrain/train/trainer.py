@@ -358,11 +358,11 @@ class Trainer:
         with TrainProgress(cfg.train.steps, self.step, enabled=self.world.is_main) as progress:
             while self.step < cfg.train.steps:
                 self.heartbeat.beat(self.step, "step")
-                self.profiler.before(self.step + 1)
                 window.start()
-                last = self._guarded_step()
+                with self.profiler.step(self.step + 1):
+                    last = self._guarded_step()
                 seconds = window.stop(last.tokens)
-                self._profiled()
+                self._note_trace()
                 if not last.skipped:
                     self.clock.add(seconds)
                 elif self.guard.last_reason is not None and self._on_bad_step():
@@ -400,8 +400,8 @@ class Trainer:
             log(f"numerics guard: {reason}; step {self.step} skipped (its batch is dropped)")
         return False
 
-    def _profiled(self) -> None:
-        path = self.profiler.after(self.step)
+    def _note_trace(self) -> None:
+        path, self.profiler.written = self.profiler.written, None
         if path is not None and self.world.is_main:
             log(f"profiler trace of steps {self.config.metrics.profile_steps} -> {path.parent}")
 
