@@ -8,6 +8,7 @@ import pytest
 
 from dstrain import __version__
 from dstrain.cli.not_built import PENDING
+from tests.conftest import run_cli
 
 
 def test_version(cli):
@@ -167,3 +168,10 @@ def test_invalid_json_via_subprocess_has_no_traceback(tmp_path):
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and "line 1, column 9" in result.stderr
     json.dumps(result.stderr)
+
+
+@pytest.mark.parametrize("bad", ["5:3", "x", "0:2", "3"])
+def test_train_refuses_a_malformed_profile_range(bad):
+    result = run_cli("train", "--profile-steps", bad)
+    assert result.code == 2 and "A:B with 1 <= A <= B" in result.err
+    assert "Traceback" not in result.text

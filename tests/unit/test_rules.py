@@ -307,3 +307,16 @@ def test_cp_is_reserved():
 def test_unknown_flavor_is_a_finding():
     bad = errors("model.flavor=deepseek-v4", world=1)
     assert "did you mean" in bad["model"]
+
+
+def test_profile_steps_must_be_in_order_and_inside_the_run():
+    assert "metrics.profile_steps" in errors('metrics.profile_steps="5:3"', world=1)
+    late = warnings('metrics.profile_steps="500:501"', "train.steps=100", world=1)
+    assert "nothing will be profiled" in late["metrics.profile_steps"]
+    assert errors('metrics.profile_steps="5:7"', world=1) == {}
+    assert warnings('metrics.profile_steps="5:7"', world=1) == {}
+
+
+def test_prometheus_ports_of_every_local_rank_must_exist():
+    assert "metrics.prometheus_port" in errors("metrics.prometheus_port=65534", world=8)
+    assert errors("metrics.prometheus_port=65528", world=8) == {}  # 65528 + 7 local ranks

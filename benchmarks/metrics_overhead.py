@@ -1,0 +1,105 @@
+"""What metric collection costs a training step: metrics on vs off, side by side in one run.
+
+One Trainer per layout (the debug flavor, seq_len 128, global batch 16) alternates blocks of 10
+steps with metrics off, at the default (probes on every step, the processor and the JSONL and
+TensorBoard sinks once per block, as with log_interval 10) and logging every step. The block
+order rotates every round. Because this machine is noisy, a mode's cost is the median over rounds
+of its time per step over the same round's "off" time (paired, so slow drifts of the machine
+cancel). One log line (processor, its all-gather, the sinks) is also timed directly. Layouts: one
+rank, and two ranks with dp_shard 2 x ep 2 under ZeRO-2 (FSDP's collectives and the expert
+all-to-alls all go through the communication timer). `benchmarks/metrics_overhead_worker.py`
+runs on each rank.
+
+Usage: python benchmarks/metrics_overhead.py [--rounds R] [--block B]
+"""
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+LAYOUTS = {
+    "1 rank": (1, []),
+    "2 ranks, dp_shard 2 x ep 2, ZeRO-2": (
+        2,
+        ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero_stage=2"],
+    ),
+}
+
+
+def run_layout(root: Path, nproc: int, overrides: list[str], args) -> dict[str, list[float]]:
+    spec = {
+        "overrides": [
+            f"run.root={root}",
+            f"run.name=bench-{nproc}",
+            "train.steps=1000000",
+            "train.seq_len=128",
+            "train.micro_batch_size=8",
+            "train.global_batch_size=16",
+            "checkpoint.enable=false",
+            *overrides,
+        ],
+        "block": args.block,
+        "rounds": args.rounds,
+        "warmup": 5,
+    }
+    out = root / f"result-{nproc}.json"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        str(REPO / "benchmarks" / "metrics_overhead_worker.py"),
+        str(out),
+        json.dumps(spec),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(max(1, 2 // nproc))}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO)
+    if done.returncode != 0:
+        raise SystemExit(f"{nproc} ranks failed:\n{done.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--block", type=int, default=10)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        for layout, (nproc, overrides) in LAYOUTS.items():
+            seconds = run_layout(Path(tmp), nproc, overrides, args)
+            log_line = statistics.median(seconds.pop("log_line"))
+            off = seconds["off"]
+            print(f"\n{layout}: {args.rounds} rounds of {args.block}-step blocks")
+            print(f"{'mode':<12} {'ms/step':>9} {'vs off (paired median)':>24}")
+            for mode, values in seconds.items():
+                ratio = statistics.median(v / o for v, o in zip(values, off, strict=True))
+                ms = 1000 * statistics.median(values)
+                print(f"{mode:<12} {ms:>9.1f} {ratio:>15.3f} ({100 * (ratio - 1):+.1f}%)")
+            share = log_line / (args.block * statistics.median(off))
+            print(
+                f"one log line (processor + all-gather + JSONL + TensorBoard): "
+                f"{1000 * log_line:.1f} ms = {100 * share:.2f}% of a {args.block}-step interval"
+            )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    main()
