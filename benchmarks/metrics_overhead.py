@@ -81,6 +81,7 @@ def main() -> None:
         for layout, (nproc, overrides) in LAYOUTS.items():
             seconds = run_layout(Path(tmp), nproc, overrides, args)
             log_line = statistics.median(seconds.pop("log_line"))
+            accounting = seconds.pop("accounting")
             off = seconds["off"]
             print(f"\n{layout}: {args.rounds} rounds of {args.block}-step blocks")
             print(f"{'mode':<12} {'ms/step':>9} {'vs off (paired median)':>24}")
@@ -88,11 +89,20 @@ def main() -> None:
                 ratio = statistics.median(v / o for v, o in zip(values, off, strict=True))
                 ms = 1000 * statistics.median(values)
                 print(f"{mode:<12} {ms:>9.1f} {ratio:>15.3f} ({100 * (ratio - 1):+.1f}%)")
-            share = log_line / (args.block * statistics.median(off))
-            print(
-                f"one log line (processor + all-gather + JSONL + TensorBoard): "
-                f"{1000 * log_line:.1f} ms = {100 * share:.2f}% of a {args.block}-step interval"
-            )
+            step = statistics.median(off)
+            _print_accounting(accounting, log_line, step, args.block)
+
+
+def _print_accounting(a: dict, log_line: float, step: float, block: int) -> None:
+    """The cost counted directly, which the noise of the side-by-side figures cannot hide."""
+    probes = a["phase_spans"] * a["phase_s"] + a["comm_spans"] * a["wrapper_s"]
+    print(
+        f"accounting: {a['phase_spans']:.0f} phase spans x {1e6 * a['phase_s']:.1f} us + "
+        f"{a['comm_spans']:.0f} timed collectives x {1e6 * a['wrapper_s']:.1f} us per step = "
+        f"{1e3 * probes:.2f} ms ({100 * probes / step:.2f}% of a step); one log line "
+        f"(processor + all-gather + JSONL + TensorBoard) {1e3 * log_line:.1f} ms = "
+        f"{100 * log_line / (block * step):.2f}% of a {block}-step interval"
+    )
 
 
 def _free_port() -> int:

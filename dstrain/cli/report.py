@@ -43,7 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--output",
         type=Path,
         metavar="DIR",
-        help="folder for index.html and the PNGs (default RUN_DIR/report)",
+        help="folder for index.html and the PNGs (default RUN_DIR/report, or "
+        "RUN_DIR/report-vs-<RUN_B's name> with --compare)",
     )
     parser.add_argument(
         "--compare", type=Path, metavar="RUN_B", help="a second run to overlay (dashed)"
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         runs.append(load_run(args.compare))
     _note_truncated(runs)
     labels = run_labels([run.name for run in runs], [run.path for run in runs])
-    out = args.output or args.run_dir / "report"
+    out = args.output or _default_output(args.run_dir, args.compare)
     try:
         out.mkdir(parents=True, exist_ok=True)
         plots, skipped = draw_report(runs, labels, out)
@@ -78,6 +79,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _print_written(index, [out / plot.file for plot in plots], skipped)
     return 0
+
+
+def _default_output(run_dir: Path, compare: Path | None) -> Path:
+    """RUN_DIR/report, or RUN_DIR/report-vs-<B> (a comparison keeps the plain report)."""
+    return run_dir / ("report" if compare is None else f"report-vs-{compare.resolve().name}")
 
 
 def _note_truncated(runs: "list[RunData]") -> None:

@@ -9,7 +9,6 @@ import time
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from dstrain import __version__
 from dstrain.config.batch import BatchPlan, resolve_batch
@@ -21,18 +20,14 @@ from dstrain.config.validate import raise_if_errors
 from dstrain.data.build import build_dataset
 from dstrain.data.loader import DataLoader
 from dstrain.errors import UserError
-from dstrain.metrics.comm_timer import CommTimer, axis_of_groups
 from dstrain.metrics.peak import peak_flops
-from dstrain.metrics.pipeline_timer import PipelineTimer
-from dstrain.metrics.probes import NO_PROBES, Probes
 from dstrain.metrics.processor import (
     MetricsProcessor,
-    StepFigures,
     Throughput,
     Window,
     peak_rss_mb,
 )
-from dstrain.metrics.sinks import JsonlSink, Sink, TensorBoardSink
+from dstrain.metrics.sinks import Sink
 from dstrain.model.flops import param_counts, training_flops_per_token
 from dstrain.model.transformer import build_model
 from dstrain.parallel.distributed import env_int, init_distributed
@@ -47,6 +42,7 @@ from dstrain.train.guard import NumericsGuard
 from dstrain.train.heartbeat import Heartbeat, explain_timeout, read_heartbeats
 from dstrain.train.loss_scale import LossScaler
 from dstrain.train.lr import build_scheduler
+from dstrain.train.observe import build_pipeline_timer, build_probes, build_sinks, step_figures
 from dstrain.train.optim import build_optimizer
 from dstrain.train.pipeline_step import pipeline_step
 from dstrain.train.preemption import Preemption
@@ -73,8 +69,8 @@ class Trainer:
         )
         self.pipeline: Pipeline | None = None
         self.model = self._build_model()
-        self.probes = self._build_probes()
-        self.pipeline_timer = self._build_pipeline_timer()
+        self.probes = build_probes(config, self.device, self.meshes, self.model, self.pipeline)
+        self.pipeline_timer = build_pipeline_timer(self.pipeline, self.probes)
         self.optimizer = build_optimizer(self.model, config.optim, zero1_group=self._zero1_group())
         self.scheduler = build_scheduler(self.optimizer, config.lr, config.train.steps)
         self.scaler = LossScaler(config.train.loss_scale, config.train.precision == "fp16")
@@ -177,37 +173,6 @@ class Trainer:
         )
         return self.pipeline.model
 
-    def _build_probes(self) -> Probes:
-        """Phase timers and the communication timer (metrics.timers), watching DDP's buckets."""
-        if not self.config.metrics.timers:
-            return NO_PROBES
-        if self.meshes is None:
-            return Probes(self.device)
-        tied = self.pipeline.tied if self.pipeline is not None else None
-        extra = {"pp": tied.group} if tied is not None else {}
-        comm = CommTimer(self.device, axis_of_groups(self.meshes, extra))
-        if self.pipeline is not None:
-            wrapped = [stage.submod for stage in self.pipeline.stages]
-        else:
-            wrapped = [self.model]
-        for module in wrapped:
-            if isinstance(module, DistributedDataParallel):
-                comm.watch_ddp(module, pipelined=self.pipeline is not None)
-        comm.start()
-        return Probes(self.device, comm)
-
-    def _build_pipeline_timer(self) -> PipelineTimer | None:
-        if self.pipeline is None:
-            return None
-        comm = self.probes.comm
-        timer = PipelineTimer(
-            self.pipeline.group,
-            phases=self.probes.spans,
-            after_backward=comm.backward_done if comm is not None else None,
-        )
-        timer.instrument(self.pipeline.stages)
-        return timer
-
     def _build_loader(self) -> DataLoader:
         dp_rank = self.meshes["dp"].get_local_rank() if self.dp.size > 1 else 0
         return DataLoader(
@@ -220,34 +185,18 @@ class Trainer:
         )
 
     def _build_sinks(self) -> list[Sink]:
-        """Rank 0 writes the files; every rank may serve Prometheus."""
-        if not self.world.is_main:
-            return self._build_exporter()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.toml").write_text(to_toml(self._resolved_config()))
-        sinks: list[Sink] = self._build_exporter()
-        if self.config.metrics.jsonl:
-            sinks.append(JsonlSink(self.run_dir / "metrics.jsonl", after_step=self.step))
-        if self.config.metrics.tensorboard:
-            sinks.append(TensorBoardSink(self.run_dir / "tb"))
-        if self.config.metrics.wandb:
-            from dstrain.metrics.wandb_sink import WandbSink  # imports wandb: only when asked
-
-            config = self._resolved_config().model_dump(mode="json")
-            sinks.append(WandbSink(self.run_dir, run=self.config.run.name, config=config))
-        return sinks
-
-    def _build_exporter(self) -> list[Sink]:
-        """Every rank serves its own Prometheus endpoint, on port + its local rank."""
-        m = self.config.metrics
-        if m.prometheus_port is None:
-            return []
-        from dstrain.metrics.prometheus import PrometheusSink  # imports prometheus_client
-
-        port = m.prometheus_port + env_int("LOCAL_RANK", 0)
-        return [
-            PrometheusSink(port, m.prometheus_host, run=self.config.run.name, rank=self.world.rank)
-        ]
+        if self.world.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(to_toml(self._resolved_config()))
+        return build_sinks(
+            self.config,
+            self.run_dir,
+            rank=self.world.rank,
+            local_rank=env_int("LOCAL_RANK", 0),
+            is_main=self.world.is_main,
+            after_step=self.step,
+            resolved=self._resolved_config().model_dump(mode="json"),
+        )
 
     def _resolved_config(self) -> DstrainConfig:
         """The config as it ran: under PP with the micro-batch count the schedule used (what
@@ -406,16 +355,7 @@ class Trainer:
             log(f"profiler trace of steps {self.config.metrics.profile_steps} -> {path.parent}")
 
     def _log_metrics(self, last: StepResult, window: Window, progress: TrainProgress) -> None:
-        figures = StepFigures(
-            loss=last.loss,
-            grad_norm=last.grad_norm,
-            local_loss=last.local_loss,
-            lr=self.optimizer.param_groups[0]["lr"],
-            mtp_loss=last.mtp_loss,
-            loss_scale=self.scaler.scale if self.scaler.enabled else None,
-            expert_load=last.expert_load,
-        )
-        metrics = self.metrics.collect(figures, window)
+        metrics = self.metrics.collect(step_figures(last, self.optimizer, self.scaler), window)
         metrics["guard/bad_steps"] = float(self.guard.events)
         if self.pipeline_timer is not None:
             p = self.config.parallel
@@ -563,6 +503,12 @@ class Trainer:
             f"data: {self.config.data.source} ({len(self.dataset):,} samples), "
             f"tokenizer {self.tokenizer.name}"
         )
+        m = self.config.metrics
+        if m.prometheus_port is not None:
+            log(
+                f"Prometheus: http://{m.prometheus_host}:{m.prometheus_port}/metrics "
+                "(rank r on this port + its local rank)"
+            )
 
 
 class _Counters:

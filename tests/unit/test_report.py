@@ -213,3 +213,14 @@ def test_help_says_what_it_reads_and_writes(cli):
 )
 def test_summary_values_read_well(key, value, shown):
     assert format_value(key, value) == shown
+
+
+def test_a_comparison_by_default_keeps_the_plain_report(tmp_path):
+    a = write_run(tmp_path, name="run-a", drop=ALL_BUT_LOSS)
+    b = write_run(tmp_path, name="run-b", drop=ALL_BUT_LOSS)
+    plain, compared = _report(a), _report(a, "--compare", b)
+    assert plain["output"] == str(a / "report")
+    assert compared["output"] == str(a / "report-vs-run-b")
+    assert (a / "report" / "index.html").exists() and (
+        a / "report-vs-run-b" / "index.html"
+    ).exists()

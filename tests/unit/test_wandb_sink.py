@@ -31,20 +31,30 @@ def wandb_records(path: Path) -> list[bytes]:
     return records
 
 
-def history(path: Path) -> dict[int, dict[str, object]]:
-    """{step: {key: value}} from the history records."""
+def history(path: Path) -> tuple[dict[int, dict[str, object]], list[str]]:
+    """({step: {key: value}} from the history records, the record types seen). A step's values
+    may also sit in the `partial_history` request the run sent, when the file keeps those."""
     from wandb.proto import wandb_internal_pb2
 
-    rows = {}
+    rows: dict[int, dict[str, object]] = {}
+    kinds = []
     for raw in wandb_records(path):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(raw)
-        if record.WhichOneof("record_type") == "history":
-            items = record.history.item
-            rows[record.history.step.num] = {
-                item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items
-            }
-    return rows
+        kind = record.WhichOneof("record_type")
+        if kind == "request":
+            kind = f"request.{record.request.WhichOneof('request_type')}"
+        kinds.append(kind)
+        if kind == "history":
+            rows.setdefault(record.history.step.num, {}).update(_items(record.history.item))
+        elif kind == "request.partial_history":
+            partial = record.request.partial_history
+            rows.setdefault(partial.step.num, {}).update(_items(partial.item))
+    return rows, kinds
+
+
+def _items(items) -> dict[str, object]:
+    return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
 
 
 def test_an_offline_run_holds_the_logged_history(tmp_path):
@@ -58,8 +68,8 @@ def test_an_offline_run_holds_the_logged_history(tmp_path):
     sink.close()
 
     (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
-    rows = history(run_file)
-    assert sorted(rows) == [10, 20, 30, 40]
+    rows, kinds = history(run_file)
+    assert sorted(rows) == [10, 20, 30, 40], (run_file.stat().st_size, kinds)
     assert [rows[step]["loss/main"] for step in (10, 20, 30, 40)] == [2.0, 1.0, 0.0, 0.5]
     assert rows[10]["moe/layer1/tokens_per_expert/values"] == [3, 0, 5]
     assert rows[10]["moe/layer1/tokens_per_expert/bins"] == [0, 1, 2, 3]
