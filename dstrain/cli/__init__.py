@@ -12,6 +12,7 @@ from dstrain.cli import (
     convert,
     loss_compare,
     not_built,
+    plan,
     report,
     schedule,
     status,
@@ -30,6 +31,7 @@ COMMANDS = (
     loss_compare,
     schedule,
     report,
+    plan,
     not_built,
 )
 

@@ -7,11 +7,6 @@ from dstrain.cli.common import not_built
 
 # name, one-line help, the issue that builds it
 PENDING = (
-    (
-        "plan",
-        "predict memory, step time and MFU of a layout; search for the best",
-        "the planner issue",
-    ),
     ("doctor", "check GPUs, topology, NCCL env, InfiniBand and disk", "the cluster-tooling issue"),
     (
         "bench",

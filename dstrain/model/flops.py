@@ -140,6 +140,23 @@ def _block(args: ModelArgs, *, moe: bool) -> _Block:
     )
 
 
+def block_params(args: ModelArgs, *, moe: bool) -> _Block:
+    """One main-model layer's parameters by kind (the planner places them on ranks)."""
+    return _block(args, moe=moe)
+
+
+@dataclass(frozen=True)
+class MtpModuleParams:
+    block: _Block
+    own: int  # its norms and its projection M_k
+
+
+def mtp_module_params(args: ModelArgs) -> MtpModuleParams:
+    """One MTP module's parameters, without the embedding and head it shares."""
+    norms, proj = _mtp_own_params(args)
+    return MtpModuleParams(_mtp_block(args), norms + proj)
+
+
 def _num_moe_layers(args: ModelArgs) -> int:
     return args.num_layers - args.first_k_dense if args.num_routed_experts > 0 else 0
 

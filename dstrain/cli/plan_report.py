@@ -1,0 +1,195 @@
+"""What `dstrain plan` prints: one layout's estimate, or the search's ranked table with the
+reasons the winner wins; as text or JSON; and the emitted config."""
+
+import argparse
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from dstrain.cli.common import print_json
+from dstrain.config.load import to_toml
+from dstrain.config.model_args import ModelArgs
+from dstrain.errors import UserError
+from dstrain.planner.comm import AXES
+from dstrain.planner.estimate import Estimate, estimate
+from dstrain.planner.layout import Cluster, Layout
+from dstrain.planner.legal import to_config, trainer_errors
+from dstrain.planner.memory import GiB
+from dstrain.planner.search import search
+
+
+def evaluate_command(
+    model: ModelArgs, cluster: Cluster, layout: Layout, args: argparse.Namespace, out: Console
+) -> int:
+    reasons = _impossible(model, cluster, layout)
+    if reasons:
+        if args.json:
+            print_json(
+                {"legal": False, "fits": False, "reasons": reasons, "layout": layout.__dict__}
+            )
+        else:
+            out.print(f"layout {layout.describe()} is not possible:", markup=False)
+            for reason in reasons:
+                out.print(f"  - {reason}", markup=False)
+        return 1
+    result = estimate(model, layout, cluster)
+    _emit(args, model, cluster, result)
+    if args.json:
+        print_json(result.to_json())
+    else:
+        _print_estimate(result, out)
+    return 0 if result.fits else 1
+
+
+def search_command(
+    model: ModelArgs,
+    cluster: Cluster,
+    base: Layout,
+    fixed: set[str],
+    args: argparse.Namespace,
+    out: Console,
+    started: float,
+) -> int:
+    with out.status("searching layouts...", spinner="dots") if out.is_terminal else _nothing():
+        found = search(model, cluster, base, fixed, top=args.top)
+    seconds = time.perf_counter() - started
+    if not found.ranked:
+        refused = found.refusals.most_common(1)
+        why = f"; the trainer refused them, most often: {refused[0][0]}" if refused else ""
+        raise UserError(
+            f"no layout of the {found.evaluated} tried fits in {cluster.gpu.hbm_gb:g} GB and "
+            f"passes the trainer's rules ({found.fitting} fit in memory{why})",
+            "fix what the trainer refuses; else add GPUs, allow recompute/ZeRO-3 (drop the "
+            "flags that fix them), shorten --seq-len, or lower --micro-batch",
+            exit_code=1,
+        )
+    winner = found.ranked[0]
+    _emit(args, model, cluster, winner)
+    if args.json:
+        print_json(
+            {
+                **winner.to_json(),
+                "ranked": [e.to_json() for e in found.ranked],
+                "alternatives": [
+                    {"knob": knob, "layout": e.layout.__dict__, "why": why}
+                    for knob, e, why in found.alternatives
+                ],
+                "evaluated": found.evaluated,
+                "fitting": found.fitting,
+                "search_seconds": seconds,
+            }
+        )
+        return 0
+    out.print(
+        f"{found.evaluated:,} layouts of {cluster.num_gpus} x {cluster.gpu.name} tried in "
+        f"{seconds:.1f} s: {found.fitting:,} fit in memory; the fastest legal ones:",
+        markup=False,
+    )
+    out.print(_table(found.ranked))
+    out.print(f"winner: {winner.layout.describe()}", markup=False)
+    out.print(f"  {_why_it_wins(winner)}", markup=False)
+    for knob, rival, why in found.alternatives:
+        out.print(f"  {knob} -> {_knob(rival.layout, knob)}: {why}", markup=False)
+    return 0
+
+
+def _impossible(model: ModelArgs, cluster: Cluster, layout: Layout) -> list[str]:
+    reasons = []
+    if layout.world != cluster.num_gpus:
+        reasons.append(
+            f"dp {layout.dp} x tp {layout.tp} x pp {layout.pp} x cp {layout.cp} = "
+            f"{layout.world} ranks, not the {cluster.num_gpus} GPUs"
+        )
+    if layout.global_batch % (layout.dp * layout.micro_batch):
+        reasons.append(
+            f"global batch {layout.global_batch} is not a multiple of dp {layout.dp} x "
+            f"micro-batch {layout.micro_batch}"
+        )
+    if reasons:
+        return reasons
+    return [f"{f.key}: {f.message}" for f in trainer_errors(model, layout, cluster)]
+
+
+def _emit(args: argparse.Namespace, model: ModelArgs, cluster: Cluster, result: Estimate) -> None:
+    if args.emit_config is None:
+        return
+    name = args.model
+    hf = Path(name) if name.endswith(".json") or Path(name).is_file() else None
+    config = to_config(result.layout, cluster, flavor=None if hf else name, hf_config=hf)
+    try:
+        args.emit_config.write_text(to_toml(config))
+    except OSError as exc:
+        raise UserError(f"cannot write {args.emit_config}: {exc}", "pass a writable path") from None
+
+
+def _print_estimate(e: Estimate, out: Console) -> None:
+    m = e.memory
+    verdict = "fits" if e.fits else "DOES NOT FIT"
+    out.print(f"layout: {e.layout.describe()} on {e.layout.world} GPUs", markup=False)
+    out.print(
+        f"memory per GPU: {m.peak / GiB:.1f} GiB of {e.hbm_bytes / GiB:.1f} ({verdict}; "
+        f"busiest pipeline rank {m.rank}): weights {m.weights / GiB:.1f}, gradients "
+        f"{m.gradients / GiB:.1f}, optimizer {m.optimizer / GiB:.1f}, activations "
+        f"{m.activations / GiB:.1f}, overhead {m.overhead / GiB:.1f}",
+        markup=False,
+    )
+    out.print(
+        f"step: {e.step_time_s:.2f} s ({e.compute_s:.2f} s compute, bubble "
+        f"{100 * e.bubble_fraction:.1f}%, exposed comm {100 * e.comm_exposed_fraction:.1f}%)",
+        markup=False,
+    )
+    out.print(
+        f"throughput: {e.tokens_per_s:,.0f} tokens/s ({e.tokens_per_s / e.layout.world:,.0f} per "
+        f"GPU), {e.tflops_per_gpu:.0f} model TFLOP/s per GPU, MFU {100 * e.mfu:.1f}%",
+        markup=False,
+    )
+    if e.comm is not None:
+        parts = [
+            f"{axis} {c.exposed_seconds:.2f}/{c.seconds:.2f} s ({c.link})"
+            for axis, c in zip(AXES, e.comm.axes(), strict=True)
+            if c.seconds
+        ]
+        if parts:
+            out.print("comm exposed/total per axis: " + ", ".join(parts), markup=False)
+
+
+def _table(ranked: list[Estimate]) -> Table:
+    table = Table(show_edge=False)
+    for column in ("#", "layout", "GiB/GPU", "step s", "tok/s/GPU", "MFU", "bubble", "comm"):
+        table.add_column(
+            column, justify="left" if column == "layout" else "right", no_wrap=column == "layout"
+        )
+    for i, e in enumerate(ranked, 1):
+        table.add_row(
+            str(i),
+            e.layout.describe(),
+            f"{e.memory.peak / GiB:.1f}",
+            f"{e.step_time_s:.2f}",
+            f"{e.tokens_per_s / e.layout.world:,.0f}",
+            f"{100 * e.mfu:.1f}%",
+            f"{100 * e.bubble_fraction:.1f}%",
+            f"{100 * e.comm_exposed_fraction:.1f}%",
+        )
+    return table
+
+
+def _why_it_wins(e: Estimate) -> str:
+    return (
+        f"fastest that fits: MFU {100 * e.mfu:.1f}%, bubble {100 * e.bubble_fraction:.1f}%, "
+        f"exposed comm {100 * e.comm_exposed_fraction:.1f}%, "
+        f"{(e.hbm_bytes - e.memory.peak) / GiB:.1f} GiB of memory to spare"
+    )
+
+
+def _knob(layout: Layout, knob: str) -> str:
+    return f"{getattr(layout, knob)}"
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

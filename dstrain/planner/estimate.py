@@ -1,0 +1,153 @@
+"""One layout on one cluster: memory, step time, throughput, MFU, bubble and exposed
+communication, from the memory, compute, communication and bubble models.
+
+Step time of the busiest pipeline rank (Narayanan et al. 2021, sec. 3):
+
+    step = (m x t_microbatch + exposed in-stage comm) / (1 - bubble) + exposed data-parallel comm
+
+with t_microbatch its forward + backward (+ recompute) compute, the bubble from the schedule's
+closed form for the modelled F, B and W costs (`planner/bubble.py`), the in-stage communication
+(TP, EP, PP, CP) stretched by the bubble like the compute it sits between, and the
+data-parallel tail after the pipeline drains. MFU = model FLOPs per step (`model/flops.py`: the
+trainer's MFU numerator) / (step x GPUs x dense peak).
+"""
+
+from dataclasses import dataclass, field
+
+from dstrain.config.model_args import ModelArgs
+from dstrain.model.flops import training_flops_per_token
+from dstrain.planner.bubble import Costs, stages_per_rank, theoretical_bubble
+from dstrain.planner.comm import CommConstants, CommTimes, comm_per_step
+from dstrain.planner.compute import ComputeConstants, StageTimes, stage_times
+from dstrain.planner.layout import Cluster, Layout
+from dstrain.planner.memory import GiB, Memory, memory_per_gpu
+from dstrain.planner.shape import rank_shapes
+
+IN_STAGE = ("tp", "ep", "pp", "cp")
+DATA_PARALLEL = ("dp", "edp")
+
+
+@dataclass(frozen=True)
+class Constants:
+    """Everything `dstrain plan --calibrate` fits."""
+
+    compute: ComputeConstants = field(default_factory=ComputeConstants)
+    comm: CommConstants = field(default_factory=CommConstants)
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    memory: Memory
+    hbm_bytes: float
+    step_time_s: float = 0.0
+    compute_s: float = 0.0
+    bubble_fraction: float = 0.0
+    comm: CommTimes | None = None
+    model_flops_per_step: float = 0.0
+    num_gpus: int = 0
+    peak_flops: float = 0.0
+    illegal: list[str] = field(default_factory=list)  # the trainer's reasons, when not legal
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.peak <= self.hbm_bytes
+
+    @property
+    def usable(self) -> bool:
+        return self.fits and not self.illegal
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.layout.tokens_per_step / self.step_time_s if self.step_time_s else 0.0
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        if not self.step_time_s:
+            return 0.0
+        return self.model_flops_per_step / self.step_time_s / self.num_gpus / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.tflops_per_gpu * 1e12 / self.peak_flops if self.peak_flops else 0.0
+
+    @property
+    def comm_exposed_fraction(self) -> float:
+        if not self.step_time_s or self.comm is None:
+            return 0.0
+        return self.comm.exposed_seconds / self.step_time_s
+
+    def to_json(self) -> dict:
+        return {
+            "layout": {**self.layout.__dict__, "world": self.layout.world},
+            "legal": not self.illegal,
+            "illegal_reasons": self.illegal,
+            "fits": self.fits,
+            "memory_gib_per_gpu": {**self.memory.to_json(), "capacity": self.hbm_bytes / GiB},
+            "step_time_s": self.step_time_s,
+            "compute_s": self.compute_s,
+            "tokens_per_s": self.tokens_per_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s / self.num_gpus if self.num_gpus else 0.0,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "mfu": self.mfu,
+            "bubble_fraction": self.bubble_fraction,
+            "comm_exposed_fraction": self.comm_exposed_fraction,
+            "comm": self.comm.to_json() if self.comm is not None else {},
+        }
+
+
+def estimate_memory(args: ModelArgs, layout: Layout, cluster: Cluster) -> Estimate:
+    """The cheap half: memory only (the search drops what cannot fit before timing it)."""
+    return Estimate(layout, memory_per_gpu(args, layout), cluster.gpu.hbm_gb * 1e9)
+
+
+def estimate(
+    args: ModelArgs, layout: Layout, cluster: Cluster, consts: Constants = Constants()
+) -> Estimate:
+    result = estimate_memory(args, layout, cluster)
+    add_time(result, args, cluster, consts)
+    return result
+
+
+def add_time(result: Estimate, args: ModelArgs, cluster: Cluster, consts: Constants) -> None:
+    """Fills the step time, bubble and communication of `result` (its layout must tile the
+    global batch into micro-batches)."""
+    layout = result.layout
+    m = layout.microbatches
+    shapes = rank_shapes(args, layout)
+    times = [stage_times(args, layout, cluster, shape, consts.compute) for shape in shapes]
+    busiest = max(range(len(shapes)), key=lambda i: times[i].total)
+    shape, t = shapes[busiest], times[busiest]
+    result.compute_s = m * t.total
+    result.bubble_fraction = _bubble(layout, t)
+    result.comm = comm_per_step(
+        args,
+        layout,
+        cluster,
+        consts.comm,
+        layers_per_rank=shape.layers,
+        moe_layers_per_rank=shape.moe_layers,
+        dense_params_per_rank=shape.dense_params,
+        expert_params_per_rank=shape.expert_params,
+        forward_compute_s=m * t.forward,
+        backward_compute_s=m * (t.backward + t.weight),
+        attention_compute_s=0.0,
+        overlap_compute_s=m * t.total if layout.schedule == "dualpipev" else 0.0,
+        holds_head=shape.has_head,
+    )
+    in_stage = sum(getattr(result.comm, axis).exposed_seconds for axis in IN_STAGE)
+    tail = sum(getattr(result.comm, axis).exposed_seconds for axis in DATA_PARALLEL)
+    result.step_time_s = (result.compute_s + in_stage) / (1 - result.bubble_fraction) + tail
+    result.model_flops_per_step = training_flops_per_token(args, layout.seq_len) * (
+        layout.tokens_per_step
+    )
+    result.num_gpus = layout.world
+    result.peak_flops = cluster.gpu.peak_tflops(layout.precision) * 1e12
+
+
+def _bubble(layout: Layout, t: StageTimes) -> float:
+    if layout.pp == 1:
+        return 0.0
+    v = stages_per_rank(layout.schedule, layout.virtual_stages)
+    costs = Costs(t.forward / v, t.backward / v, t.weight / v)
+    return theoretical_bubble(layout.schedule, layout.pp, layout.microbatches, v, costs)

@@ -1,0 +1,296 @@
+"""`dstrain plan`'s model of a run: the published figures it must reproduce, the physics it must
+respect (more sharding, less memory; small matmuls memory-bound), the trainer's verdict on what
+is legal, and the command as a user runs it."""
+
+import json
+import math
+import re
+import tomllib
+
+import pytest
+
+from dstrain.config.flavors import flavor_args
+from dstrain.hardware import gpu_spec
+from dstrain.planner.compute import ComputeConstants, _Chip
+from dstrain.planner.estimate import estimate
+from dstrain.planner.layout import Cluster, Layout
+from dstrain.planner.legal import trainer_errors
+from dstrain.planner.memory import in_flight, memory_per_gpu, model_state_bytes
+from dstrain.planner.search import search
+from tests.conftest import REPO, run_cli
+
+V3 = flavor_args("deepseek-v3")
+H800_2048 = Cluster(gpu_spec("H800"), 2048, 8, 50.0)
+# DeepSeek-V3 report, sec. 3.2 and 4.2: PP16 (DualPipe), EP64 over 8 nodes, ZeRO-1, no TP,
+# sequences of 4096, a batch of 15360 sequences; RMSNorm and MLA up-projections recomputed.
+V3_LAYOUT = Layout(
+    dp=128,
+    pp=16,
+    ep=64,
+    zero=1,
+    micro_batch=1,
+    global_batch=15360,
+    seq_len=4096,
+    schedule="dualpipev",
+    virtual_stages=2,
+    recompute="selective",
+)
+
+
+@pytest.mark.parametrize(
+    ("zero", "gb"),
+    [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)],  # ZeRO paper, Figure 1: 7.5B params, N_d 64
+)
+def test_model_states_of_the_zero_paper(zero, gb):
+    assert sum(model_state_bytes(7.5e9, zero, 64, offload=False)) / 1e9 == pytest.approx(
+        gb, abs=0.06
+    )
+
+
+def test_deepseek_v3_published_layout_is_legal_and_fits_in_80_gb():
+    assert trainer_errors(V3, V3_LAYOUT, H800_2048) == []
+    result = estimate(V3, V3_LAYOUT, H800_2048)
+    assert result.fits and result.memory.peak < 80e9
+    # Without its recomputation the activations of 17 micro-batches in flight do not fit.
+    assert not estimate(V3, V3_LAYOUT.with_(recompute="none"), H800_2048).fits
+
+
+def test_deepseek_v3_throughput_against_the_report():
+    """Published: 2.664M H800 GPU hours for 14.8T tokens of pre-training (report, Table 1),
+    i.e. 1,543 tokens/s per GPU. The model is not tuned to this figure; it must land near."""
+    published = 14.8e12 / (2.664e6 * 3600)
+    predicted = estimate(V3, V3_LAYOUT, H800_2048).tokens_per_s / 2048
+    assert predicted == pytest.approx(published, rel=0.25)
+
+
+def test_more_sharding_means_less_memory():
+    base = Layout(dp=64, pp=1, ep=8, zero=1, global_batch=512, seq_len=4096, recompute="full")
+    small = Cluster(gpu_spec("H100"), 64)
+    args = flavor_args("deepseek-v2-lite")
+    states = [memory_per_gpu(args, base.with_(zero=z)).model_states for z in (0, 1, 2, 3)]
+    assert states == sorted(states, reverse=True) and states[0] > 2 * states[3]
+    activations = [
+        memory_per_gpu(args, base.with_(recompute=r)).activations
+        for r in ("none", "selective", "full")
+    ]
+    assert activations == sorted(activations, reverse=True)
+    tp = [memory_per_gpu(args, base.with_(dp=64 // t, tp=t)).weights for t in (1, 2, 4)]
+    assert tp == sorted(tp, reverse=True)
+    assert estimate(args, base, small).fits
+
+
+def test_in_flight_micro_batches_per_schedule():
+    layout = Layout(dp=1, pp=4, global_batch=32, micro_batch=1)  # m = 32
+    held = {
+        s: in_flight(layout.with_(schedule=s, virtual_stages=2))
+        for s in ("gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev")
+    }
+    assert held == {
+        "gpipe": 32,
+        "1f1b": 4,
+        "interleaved-1f1b": 4 * (1 + 3 / 8),
+        "zbv": 4,
+        "dualpipev": 5,
+    }
+    assert in_flight(layout.with_(global_batch=2, schedule="gpipe")) == 2  # never more than m
+
+
+def test_small_matmuls_are_memory_bound_and_large_ones_compute_bound():
+    chip = _Chip(Cluster(gpu_spec("H100"), 8), "bf16", ComputeConstants())
+    big = chip.gemm(8192, 8192, 8192)
+    assert big == pytest.approx(2 * 8192**3 / (989e12 * 0.75))
+    thin = chip.gemm(1, 8192, 8192)  # one token: the weights' bytes dominate
+    assert thin == pytest.approx(2 * (8192 + 8192 * 8192 + 8192) / (3.35e12 * 0.8))
+
+
+def test_bubble_follows_the_schedule_closed_forms():
+    args = flavor_args("deepseek-llm-7b")
+    cluster = Cluster(gpu_spec("A100-80GB"), 64)
+    layout = Layout(dp=16, pp=4, global_batch=128, micro_batch=1, seq_len=2048, zero=1)
+    gpipe = estimate(args, layout.with_(schedule="gpipe", recompute="full"), cluster)
+    m, p = layout.microbatches, 4
+    assert gpipe.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    interleaved = estimate(
+        args, layout.with_(schedule="interleaved-1f1b", virtual_stages=2), cluster
+    )
+    assert interleaved.bubble_fraction == pytest.approx((p - 1) / (2 * m + p - 1))
+
+
+def test_mfu_is_model_flops_over_the_step():
+    result = estimate(V3, V3_LAYOUT, H800_2048)
+    flops = result.model_flops_per_step / (result.step_time_s * 2048)
+    assert result.mfu == pytest.approx(flops / 989e12)
+    assert 0.1 < result.mfu < 0.75
+
+
+def test_search_ranks_legal_fitting_layouts_and_explains_the_winner():
+    cluster = Cluster(gpu_spec("H100"), 64)
+    found = search(
+        flavor_args("deepseek-v2-lite"),
+        cluster,
+        Layout(dp=1, global_batch=512, seq_len=4096),
+        set(),
+        top=5,
+    )
+    assert len(found.ranked) == 5 and found.fitting < found.evaluated
+    times = [e.step_time_s for e in found.ranked]
+    assert times == sorted(times)
+    assert all(e.fits and not e.illegal for e in found.ranked)
+    knobs = {knob for knob, _, _ in found.alternatives}
+    assert {"tp", "zero", "recompute"} <= knobs
+    for _, rival, why in found.alternatives:
+        assert re.match(r"(out of memory|not legal in the trainer|\d+% slower \()", why), why
+        assert rival.step_time_s >= found.ranked[0].step_time_s or not rival.usable
+
+
+def test_plan_cli_evaluates_a_layout_with_the_issue_keys(tmp_path):
+    out = tmp_path / "v3.toml"
+    result = run_cli(
+        "plan",
+        "--model",
+        "deepseek-v3",
+        "--gpu",
+        "h800",
+        "--num-gpus",
+        "2048",
+        "--tp",
+        "1",
+        "--pp",
+        "16",
+        "--ep",
+        "64",
+        "--zero",
+        "1",
+        "--schedule",
+        "dualpipev",
+        "--recompute",
+        "selective",
+        "--global-batch",
+        "15360",
+        "--json",
+        "--emit-config",
+        out,
+    )
+    assert result.code == 0, result.text
+    answer = result.json()
+    for key in (
+        "fits",
+        "memory_gib_per_gpu",
+        "step_time_s",
+        "tokens_per_s",
+        "tokens_per_s_per_gpu",
+        "tflops_per_gpu",
+        "mfu",
+        "bubble_fraction",
+        "comm_exposed_fraction",
+        "layout",
+    ):
+        assert key in answer
+    assert answer["memory_gib_per_gpu"]["peak"] > answer["memory_gib_per_gpu"]["weights"]
+    assert answer["layout"]["pp"] == 16 and answer["layout"]["world"] == 2048
+    emitted = tomllib.loads(out.read_text())
+    assert emitted["parallel"]["pp_schedule"] == "dualpipev"
+    checked = run_cli("check", out)
+    assert checked.code == 0, checked.text
+
+
+def test_plan_cli_search_emits_a_config_check_accepts(tmp_path):
+    out = tmp_path / "best.toml"
+    result = run_cli(
+        "plan",
+        "--model",
+        "deepseek-v2-lite",
+        "--gpu",
+        "H100",
+        "--num-gpus",
+        "16",
+        "--top",
+        "3",
+        "--emit-config",
+        out,
+    )
+    assert result.code == 0, result.text
+    assert "winner:" in result.out and "fastest legal" in result.out
+    assert run_cli("check", out).code == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--tp", "3", "--pp", "16", "--ep", "64"], "not the 2048 GPUs"),
+        (["--tp", "8", "--pp", "8", "--ep", "3"], "ep"),
+        (["--tp", "1", "--pp", "16", "--ep", "64", "--zero", "3"], "ZeRO-3"),
+    ],
+)
+def test_an_impossible_layout_gives_reasons_not_numbers(flags, said):
+    result = run_cli(
+        "plan", "--model", "deepseek-v3", "--gpu", "H800", "--num-gpus", "2048", *flags
+    )
+    assert result.code == 1 and said in result.text
+    assert "tokens/s" not in result.text and "Traceback" not in result.text
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--gpu", "H900"], "unknown GPU"),
+        (["--model", "no-such-model"], "unknown model flavor"),
+        (["--network", "carrier-pigeon"], "unknown network preset"),
+        (["--num-gpus", "0"], "must be >= 1"),
+    ],
+)
+def test_bad_input_is_one_message(flags, said):
+    args = {"--model": "deepseek-v3", "--gpu": "H800", "--num-gpus": "8"}
+    for flag, value in zip(flags[::2], flags[1::2], strict=True):
+        args[flag] = value
+    result = run_cli("plan", *[x for pair in args.items() for x in pair])
+    assert result.code != 0 and said in result.err and "Traceback" not in result.text
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {
+            "model_type": "llama",
+            "vocab_size": 32000,
+            "hidden_size": 4096,
+            "intermediate_size": 11008,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+        },
+        {
+            "model_type": "mixtral",
+            "vocab_size": 32000,
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+        },
+        {
+            "model_type": "gpt2",
+            "vocab_size": 50257,
+            "n_embd": 1600,
+            "n_layer": 48,
+            "n_head": 25,
+            "n_inner": 6400,
+        },
+    ],
+)
+def test_hugging_face_configs_plan_too(tmp_path, config):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    result = run_cli(
+        "plan", "--model", path, "--gpu", "A100-80GB", "--num-gpus", "16", "--top", "2", "--json"
+    )
+    assert result.code == 0, result.text
+    answer = result.json()
+    assert answer["fits"] and math.isfinite(answer["mfu"]) and 0 < answer["mfu"] < 1
+
+
+def test_the_example_v3_config_is_the_layout_checked_here():
+    example = tomllib.loads((REPO / "examples" / "deepseek-v3-h800x2048.toml").read_text())
+    p = example["parallel"]
+    assert (p["pp"], p["dp_shard"], p["ep"], p["zero_stage"]) == (16, 128, 64, 1)
