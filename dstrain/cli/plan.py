@@ -29,12 +29,18 @@ tokens_per_s_per_gpu, tflops_per_gpu, mfu, bubble_fraction, comm_exposed_fractio
 (the winner's, in search mode, plus "ranked" and "alternatives").
 exit status: 0 a layout that fits, 1 an illegal or impossible one (the reasons are printed).
 
+--calibrate RUN_DIR... fits the matmul, attention and memory-streaming efficiencies, the
+per-layer overhead and the link efficiency and latency to measured runs (their metrics.jsonl,
+summary.json and config.toml) and prints, per run, model states and step time measured against
+predicted, before and after.
+
 examples:
   dstrain plan --model deepseek-v3 --gpu H800 --num-gpus 2048
   dstrain plan --model deepseek-v3 --gpu H800 --num-gpus 2048 --pp 16 --ep 64 --tp 1 \\
       --zero 1 --schedule dualpipev --recompute selective --global-batch 15360
   dstrain plan --model config.json --gpu a100-80gb --num-gpus 64 --tp 8 --top 5 --json
   dstrain plan --model deepseek-v2-lite --gpu H100 --num-gpus 16 --emit-config plan.toml
+  dstrain plan --calibrate runs/dp2 runs/tp2 runs/ep2
 """
 
 LAYOUT_FLAGS = ("tp", "pp", "ep")
@@ -63,9 +69,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     what = parser.add_argument_group("model and cluster")
-    what.add_argument("--model", required=True, help="flavor name or HF config.json path")
-    what.add_argument("--gpu", required=True, help="GPU type from the hardware table")
-    what.add_argument("--num-gpus", type=positive_int, required=True, metavar="N")
+    what.add_argument("--model", help="flavor name or HF config.json path (required)")
+    what.add_argument("--gpu", help="GPU type from the hardware table (required)")
+    what.add_argument("--num-gpus", type=positive_int, metavar="N", help="(required)")
     what.add_argument("--gpus-per-node", type=positive_int, default=8, metavar="G")
     what.add_argument(
         "--inter-node-gbps",
@@ -96,6 +102,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     layout.add_argument("--precision", choices=("bf16", "fp16", "fp8"), default="bf16")
     layout.add_argument("--sequence-parallel", action="store_true", default=None)
     layout.add_argument("--offload", action="store_true", help="optimizer states on the host")
+    parser.add_argument(
+        "--calibrate",
+        nargs="+",
+        type=Path,
+        metavar="RUN_DIR",
+        help="fit the efficiency and bandwidth constants to these measured runs and print "
+        "measured vs predicted (instead of planning)",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=positive_int, default=10, metavar="K")
     out.add_argument("--emit-config", type=Path, metavar="OUT.toml")
@@ -104,8 +118,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dstrain.cli.plan_report import evaluate_command, search_command
+    from dstrain.cli.plan_report import calibrate_command, evaluate_command, search_command
 
+    if args.calibrate:
+        return calibrate_command(args.calibrate, args, console())
+    missing = [
+        f"--{n.replace('_', '-')}" for n in ("model", "gpu", "num_gpus") if not getattr(args, n)
+    ]
+    if missing:
+        raise UserError(
+            f"plan needs {', '.join(missing)}",
+            "e.g. dstrain plan --model deepseek-v3 --gpu H800 --num-gpus 2048",
+            exit_code=2,
+        )
     model, cluster = _model(args.model), _cluster(args)
     args.seq_len = args.seq_len or min(4096, model.max_seq_len)
     base, fixed = _layout(args, cluster.num_gpus)

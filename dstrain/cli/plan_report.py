@@ -95,6 +95,43 @@ def search_command(
     return 0
 
 
+def calibrate_command(paths: list[Path], args: argparse.Namespace, out: Console) -> int:
+    from dstrain.planner.calibrate import compare, fit, read_run
+
+    runs = [read_run(path) for path in paths]
+    consts = fit(runs)
+    rows = compare(runs, consts)
+    fitted = {**consts.compute.__dict__, **consts.comm.__dict__}
+    if args.json:
+        print_json({"constants": fitted, "runs": [row.to_json() for row in rows]})
+        return 0
+    out.print("fitted: " + ", ".join(f"{k} {v:.3g}" for k, v in fitted.items()), markup=False)
+    table = Table(show_edge=False)
+    for column in (
+        "run",
+        "layout",
+        "states GiB meas/pred",
+        "step s meas",
+        "default",
+        "calibrated",
+        "comm s meas/pred",
+    ):
+        table.add_column(column, justify="left" if column in ("run", "layout") else "right")
+    for r in rows:
+        table.add_row(
+            r.run,
+            r.layout,
+            f"{r.states_measured_gib:.4f}/{r.states_predicted_gib:.4f} "
+            f"({100 * r.states_error:+.0f}%)",
+            f"{r.step_measured_s:.3f}",
+            f"{r.step_default_s:.3f}",
+            f"{r.step_calibrated_s:.3f} ({100 * r.step_error:+.0f}%)",
+            f"{r.comm_measured_s:.3f}/{r.comm_calibrated_s:.3f}",
+        )
+    out.print(table)
+    return 0
+
+
 def _impossible(model: ModelArgs, cluster: Cluster, layout: Layout) -> list[str]:
     reasons = []
     if layout.world != cluster.num_gpus:

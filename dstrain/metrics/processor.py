@@ -18,7 +18,7 @@ from dstrain.metrics.comm_timer import AXES
 from dstrain.metrics.moe_stats import layer_label, load_stats
 from dstrain.metrics.probes import PHASES, Probes
 
-MEMORY = ("rss_mb", "peak_rss_mb", "peak_allocated_mb", "peak_reserved_mb")
+MEMORY = ("model_states_mb", "rss_mb", "peak_rss_mb", "peak_allocated_mb", "peak_reserved_mb")
 
 
 class Window:
@@ -69,8 +69,10 @@ class MetricsProcessor:
         throughput: Throughput,
         probes: Probes,
         device: torch.device,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         self.model = model
+        self.optimizer = optimizer
         self.throughput = throughput
         self.probes = probes
         self.device = device
@@ -105,7 +107,8 @@ class MetricsProcessor:
         phases = self.probes.spans.take()
         comm = self.probes.comm.take() if self.probes.comm is not None else ({}, {})
         biases = _bias_norms(self.model)
-        row = [window.seconds, step.local_loss.item(), *_memory_now(self.device)]
+        states = model_state_bytes(self.model, self.optimizer) / 2**20
+        row = [window.seconds, step.local_loss.item(), states, *_memory_now(self.device)]
         row += [phases.get(p, 0.0) for p in PHASES]
         row += [comm[0].get(a, 0.0) for a in AXES] + [float(comm[1].get(a, 0)) for a in AXES]
         row += [biases.get(label, 0.0) for label in labels]
@@ -181,7 +184,7 @@ def _optimization(step: StepFigures, rows: torch.Tensor) -> dict[str, float]:
 
 
 def _memory(rows: torch.Tensor, device: torch.device) -> dict[str, float]:
-    names = MEMORY if device.type == "cuda" else MEMORY[:2]
+    names = MEMORY if device.type == "cuda" else MEMORY[:3]
     return {f"memory/{n}": rows[:, _MEMORY + i].max().item() for i, n in enumerate(names)}
 
 
@@ -217,6 +220,28 @@ def _bias_norms(model: torch.nn.Module) -> dict[str, float]:
         if name.endswith("router.expert_bias"):
             norms[layer_label(name.removesuffix(".expert_bias"))] = buffer.float().norm().item()
     return norms
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> float:
+    """This rank's model states: its parameter shards, a gradient of the same size for each one
+    that trains (counted from the parameters: at log time the gradients are already freed), and
+    the optimizer's state tensors (its shard under ZeRO)."""
+    total = 0
+    for param in model.parameters():
+        size = _local(param).numel() * param.element_size()
+        total += size * (2 if param.requires_grad else 1)
+    if optimizer is not None:
+        # ZeroRedundancyOptimizer keeps its shard's states in the optimizer it wraps.
+        local = getattr(optimizer, "optim", optimizer)
+        for state in local.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    total += _local(value).numel() * value.element_size()
+    return float(total)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _memory_now(device: torch.device) -> list[float]:

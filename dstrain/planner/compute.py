@@ -26,11 +26,10 @@ from dataclasses import dataclass
 from dstrain.config.model_args import ModelArgs
 from dstrain.planner.layout import Cluster, Layout
 from dstrain.planner.memo import per_model
+from dstrain.planner.memory import state_bytes
 from dstrain.planner.shape import RankShape
 
 ELEMENTWISE_PASSES = 16  # reads and writes of a hidden-size tensor per layer, per token
-LAUNCHES_PER_LAYER = 40
-LAUNCH_S = 4e-6
 
 
 @dataclass(frozen=True)
@@ -38,6 +37,7 @@ class ComputeConstants:
     gemm_efficiency: float = 0.75
     attention_efficiency: float = 0.5
     memory_efficiency: float = 0.8  # share of HBM bandwidth streaming kernels reach
+    layer_overhead_s: float = 40 * 4e-6  # per layer and pass: ~40 kernel launches of ~4 us
 
 
 @dataclass(frozen=True)
@@ -128,6 +128,16 @@ class _Chip:
         return nbytes / self.hbm
 
 
+def optimizer_seconds(
+    params: float, layout: Layout, cluster: Cluster, consts: ComputeConstants | None = None
+) -> float:
+    """AdamW's step over the `params` this rank updates: memory-bound, it reads the weights,
+    gradients and both moments (and the master copy) and writes all but the gradients once."""
+    weight, grad, state = state_bytes(layout.precision)
+    chip = _Chip(cluster, layout.precision, consts or ComputeConstants())
+    return chip.stream(params * (2 * weight + grad + 2 * state))
+
+
 def _layer(
     args: ModelArgs, layout: Layout, chip: _Chip, tokens: float, *, moe: bool
 ) -> tuple[float, float]:
@@ -142,8 +152,7 @@ def _layer(
     )
     passes = ELEMENTWISE_PASSES + (4 * args.num_activated_experts if moe else 0)
     stream = chip.stream(passes * tokens * 2 * d / (tp if layout.sequence_parallel else 1))
-    launch = LAUNCHES_PER_LAYER * LAUNCH_S
-    return projections + attention + ffn + stream + launch, attention
+    return projections + attention + ffn + stream + chip.consts.layer_overhead_s, attention
 
 
 def _attention_matmuls(args: ModelArgs, tp: int) -> list[tuple[float, float, float]]:

@@ -4,11 +4,13 @@ communication, from the memory, compute, communication and bubble models.
 Step time of the busiest pipeline rank (Narayanan et al. 2021, sec. 3):
 
     step = (m x t_microbatch + exposed in-stage comm) / (1 - bubble) + exposed data-parallel comm
+           + optimizer step
 
 with t_microbatch its forward + backward (+ recompute) compute, the bubble from the schedule's
 closed form for the modelled F, B and W costs (`planner/bubble.py`), the in-stage communication
 (TP, EP, PP, CP) stretched by the bubble like the compute it sits between, and the
-data-parallel tail after the pipeline drains. MFU = model FLOPs per step (`model/flops.py`: the
+data-parallel tail after the pipeline drains, and AdamW's step over the rank's shard (memory-
+bound: `compute.optimizer_seconds`). MFU = model FLOPs per step (`model/flops.py`: the
 trainer's MFU numerator) / (step x GPUs x dense peak).
 """
 
@@ -18,10 +20,15 @@ from dstrain.config.model_args import ModelArgs
 from dstrain.model.flops import training_flops_per_token
 from dstrain.planner.bubble import Costs, stages_per_rank, theoretical_bubble
 from dstrain.planner.comm import CommConstants, CommTimes, comm_per_step
-from dstrain.planner.compute import ComputeConstants, StageTimes, stage_times
+from dstrain.planner.compute import (
+    ComputeConstants,
+    StageTimes,
+    optimizer_seconds,
+    stage_times,
+)
 from dstrain.planner.layout import Cluster, Layout
 from dstrain.planner.memory import GiB, Memory, memory_per_gpu
-from dstrain.planner.shape import rank_shapes
+from dstrain.planner.shape import RankShape, rank_shapes
 
 IN_STAGE = ("tp", "ep", "pp", "cp")
 DATA_PARALLEL = ("dp", "edp")
@@ -41,7 +48,8 @@ class Estimate:
     memory: Memory
     hbm_bytes: float
     step_time_s: float = 0.0
-    compute_s: float = 0.0
+    compute_s: float = 0.0  # forward and backward (and recompute), per step
+    optimizer_s: float = 0.0
     bubble_fraction: float = 0.0
     comm: CommTimes | None = None
     model_flops_per_step: float = 0.0
@@ -86,6 +94,7 @@ class Estimate:
             "memory_gib_per_gpu": {**self.memory.to_json(), "capacity": self.hbm_bytes / GiB},
             "step_time_s": self.step_time_s,
             "compute_s": self.compute_s,
+            "optimizer_s": self.optimizer_s,
             "tokens_per_s": self.tokens_per_s,
             "tokens_per_s_per_gpu": self.tokens_per_s / self.num_gpus if self.num_gpus else 0.0,
             "tflops_per_gpu": self.tflops_per_gpu,
@@ -137,12 +146,25 @@ def add_time(result: Estimate, args: ModelArgs, cluster: Cluster, consts: Consta
     )
     in_stage = sum(getattr(result.comm, axis).exposed_seconds for axis in IN_STAGE)
     tail = sum(getattr(result.comm, axis).exposed_seconds for axis in DATA_PARALLEL)
-    result.step_time_s = (result.compute_s + in_stage) / (1 - result.bubble_fraction) + tail
+    result.optimizer_s = optimizer_seconds(
+        _updated_params(shape, layout), layout, cluster, consts.compute
+    )
+    stretched = (result.compute_s + in_stage) / (1 - result.bubble_fraction)
+    result.step_time_s = stretched + tail + result.optimizer_s
     result.model_flops_per_step = training_flops_per_token(args, layout.seq_len) * (
         layout.tokens_per_step
     )
     result.num_gpus = layout.world
     result.peak_flops = cluster.gpu.peak_tflops(layout.precision) * 1e12
+
+
+def _updated_params(shape: RankShape, layout: Layout) -> float:
+    """The parameters whose optimizer step this rank runs: its shard under ZeRO >= 1."""
+    if layout.zero == 0:
+        return shape.dense_params + shape.expert_params
+    return shape.dense_params / (layout.dp * layout.cp) + shape.expert_params / max(
+        layout.expert_dp, 1
+    )
 
 
 def _bubble(layout: Layout, t: StageTimes) -> float:

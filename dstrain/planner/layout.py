@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from dstrain.hardware import GPUSpec
 
 RECOMPUTE = ("none", "selective", "full")
-PRECISIONS = ("bf16", "fp16", "fp8")
+PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,13 @@ class Layout:
         return self.dp * self.cp * self.tp // self.ep
 
     @property
+    def expert_shard(self) -> int:
+        """Ranks ZeRO shards the routed experts' states over: their data-parallel ranks under
+        expert parallelism; without it they are ordinary parameters, replicated over tp and
+        sharded over dp x cp like the rest."""
+        return self.expert_dp if self.ep > 1 else self.dp * self.cp
+
+    @property
     def microbatches(self) -> int:
         """Micro-batches per step per data-parallel rank (gradient accumulation steps)."""
         return self.global_batch // (self.dp * self.micro_batch)
@@ -65,7 +72,7 @@ class Layout:
             extra.append(f"v{self.virtual_stages}")
         if self.recompute != "none":
             extra.append(f"ac:{self.recompute[:3]}")
-        if self.sequence_parallel:
+        if self.sequence_parallel and self.tp > 1:
             extra.append("sp")
         if self.offload:
             extra.append("offload")

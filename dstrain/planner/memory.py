@@ -84,11 +84,23 @@ class Memory:
         }
 
 
-def model_state_bytes(params: float, zero: int, shard: int, offload: bool) -> tuple[float, ...]:
+def state_bytes(precision: str) -> tuple[int, int, int]:
+    """(weight, gradient, optimizer) bytes per parameter: mixed precision keeps 16-bit weights
+    and gradients and fp32 master weights + Adam moments (2, 2, 12); fp32 training has no
+    master copy: fp32 weights and gradients and the two moments (4, 4, 8)."""
+    if precision == "fp32":
+        return 4, 4, 8
+    return WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES
+
+
+def model_state_bytes(
+    params: float, zero: int, shard: int, offload: bool, precision: str = "bf16"
+) -> tuple[float, ...]:
     """(weights, gradients, optimizer) bytes of `params` parameters sharded over `shard` ranks."""
-    weights = WEIGHT_BYTES * params / (shard if zero >= 3 else 1)
-    grads = GRAD_BYTES * params / (shard if zero >= 2 else 1)
-    optimizer = 0.0 if offload else OPTIMIZER_BYTES * params / (shard if zero >= 1 else 1)
+    weight, grad, state = state_bytes(precision)
+    weights = weight * params / (shard if zero >= 3 else 1)
+    grads = grad * params / (shard if zero >= 2 else 1)
+    optimizer = 0.0 if offload else state * params / (shard if zero >= 1 else 1)
     return weights, grads, optimizer
 
 
@@ -100,12 +112,28 @@ def memory_per_gpu(args: ModelArgs, layout: Layout, cluster: Cluster | None = No
     )
 
 
+def resting_model_states(args: ModelArgs, layout: Layout) -> float:
+    """Model states between steps on the rank holding the most, what the trainer's
+    memory/model_states_mb counts (max over ranks): ZeRO-2's gathered weights are sharded again
+    by then (FSDP2 reshards after backward), so its weights count sharded."""
+    best = 0.0
+    for shape in rank_shapes(args, layout):
+        m = _rank_memory(args, layout, shape)
+        weights = m.weights / (layout.dp * layout.cp) if layout.zero == 2 else m.weights
+        best = max(best, weights + m.gradients + m.optimizer)
+    return best
+
+
 def _rank_memory(args: ModelArgs, layout: Layout, shape: RankShape) -> Memory:
     dense = model_state_bytes(
-        shape.dense_params, layout.zero, layout.dp * layout.cp, layout.offload
+        shape.dense_params, layout.zero, layout.dp * layout.cp, layout.offload, layout.precision
     )
     experts = model_state_bytes(
-        shape.expert_params, layout.zero, max(layout.expert_dp, 1), layout.offload
+        shape.expert_params,
+        layout.zero,
+        layout.expert_shard,
+        layout.offload,
+        layout.precision,
     )
     weights, grads, optimizer = (d + e for d, e in zip(dense, experts, strict=True))
     activations = activation_bytes(args, layout, shape)

@@ -2,8 +2,9 @@
 and the parameters per GPU by kind (before ZeRO sharding). Shared by the memory, compute and
 communication models.
 
-Stage split: the trainer's rule (`stage_trim`): the first and last stages hold fewer layers when
-the layer count does not divide, the last (head and MTP) the larger share. Stage placement: rank r
+Stage split: the trainer's default (`planner/stages.py`: of every legal trimming, the one whose
+busiest rank has the fewest forward FLOPs, head and MTP included), or `check`'s trimming rule
+where no split gives every stage a block. Stage placement: rank r
 holds stage r (gpipe, 1f1b), stages r, r+p, ... (interleaved-1f1b), or stages r and 2p-1-r (zbv,
 dualpipev), as `torch.distributed.pipelining` places them.
 
@@ -18,9 +19,10 @@ from dataclasses import dataclass
 from dstrain.config.model_args import ModelArgs
 from dstrain.config.parallel_dims import stage_trim
 from dstrain.model.flops import block_params, mtp_module_params
-from dstrain.planner.bubble import V_SCHEDULES, stages_per_rank
+from dstrain.planner.bubble import stages_per_rank
 from dstrain.planner.layout import Layout
 from dstrain.planner.memo import per_model
+from dstrain.planner.stages import balanced_split, stage_indices
 
 
 @dataclass(frozen=True)
@@ -40,42 +42,48 @@ class RankShape:
         return self.dense_layers + self.moe_layers
 
 
-def stage_layers(num_layers: int, pp: int, v: int) -> list[range]:
-    """The layers of each stage (stage 0 first), split as the trainer splits by default."""
-    stages = pp * v
-    first, last = stage_trim(num_layers, stages, None, None)
-    per = (num_layers + first + last) // stages
-    sizes = [per] * stages
+@per_model
+def stage_layers(args: ModelArgs, seq_len: int, schedule: str, pp: int, v: int) -> list[range]:
+    """The layers of each stage (stage 0 first), split as the trainer splits by default: the
+    FLOP-balanced split, or where no split gives every stage a block, `check`'s trimming rule."""
+    balanced = balanced_split(args, seq_len, schedule, pp, v)
+    if balanced:
+        return balanced
+    first, last = stage_trim(args.num_layers, pp * v, None, None)
+    per = (args.num_layers + first + last) // (pp * v)
+    sizes = [per] * (pp * v)
     sizes[0] -= first
-    sizes[-1] -= last
-    starts = [sum(sizes[:i]) for i in range(stages)]
+    sizes[-1] = max(sizes[-1] - last, 0)
+    starts = [sum(sizes[:i]) for i in range(pp * v)]
     return [range(start, start + size) for start, size in zip(starts, sizes, strict=True)]
-
-
-def rank_stages(schedule: str, pp: int, v: int, rank: int) -> list[int]:
-    if schedule in V_SCHEDULES:
-        return [rank, 2 * pp - 1 - rank]
-    return [rank + k * pp for k in range(v)]
 
 
 def rank_shapes(args: ModelArgs, layout: Layout) -> list[RankShape]:
     """The ranks that can hold the most: the first, the last and (pp > 2) the second."""
     return list(
-        _rank_shapes(args, layout.pp, layout.schedule, layout.virtual_stages, layout.tp, layout.ep)
+        _rank_shapes(
+            args,
+            layout.pp,
+            layout.schedule,
+            layout.virtual_stages,
+            layout.tp,
+            layout.ep,
+            layout.seq_len,
+        )
     )
 
 
 @per_model
 def _rank_shapes(
-    args: ModelArgs, pp: int, schedule: str, virtual: int, tp: int, ep: int
+    args: ModelArgs, pp: int, schedule: str, virtual: int, tp: int, ep: int, seq_len: int
 ) -> tuple[RankShape, ...]:
     v = stages_per_rank(schedule, virtual)
-    split = stage_layers(args.num_layers, pp, v)
+    split = stage_layers(args, seq_len, schedule, pp, v)
     last_stage = pp * v - 1
     ranks = sorted({0, pp - 1, min(1, pp - 1)})
     shapes = []
     for rank in ranks:
-        stages = rank_stages(schedule, pp, v, rank)
+        stages = stage_indices(schedule, pp, v, rank)
         layers = [i for s in stages for i in split[s]]
         moe = sum(1 for i in layers if _is_moe(args, i))
         shapes.append(

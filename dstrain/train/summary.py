@@ -10,6 +10,8 @@ from pathlib import Path
 @dataclass
 class RunSummary:
     steps: int
+    world_size: int
+    device: str  # "cpu", or the GPU's name as the driver reports it
     final_loss: float
     tokens_per_s: float  # global, over the whole run (this attempt)
     tflops_per_device: float  # model FLOPs

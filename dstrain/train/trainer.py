@@ -94,6 +94,7 @@ class Trainer:
             Throughput(self.world.world_size, self.flops_per_token, self.peak),
             self.probes,
             self.device,
+            self.optimizer,
         )
         self.profiler = StepProfiler(
             config.metrics.profile_steps, self.run_dir / "profile", self.world.rank, self.device
@@ -457,6 +458,8 @@ class Trainer:
         peaks = self.metrics.run_peaks
         summary = RunSummary(
             steps=self.step,
+            world_size=self.world.world_size,
+            device=_device_name(self.device),
             final_loss=last.loss.item() if last is not None else float("nan"),
             tokens_per_s=tokens_per_s,
             tflops_per_device=per_device / 1e12,
@@ -509,6 +512,10 @@ class Trainer:
                 f"Prometheus: http://{m.prometheus_host}:{m.prometheus_port}/metrics "
                 "(rank r on this port + its local rank)"
             )
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 class _Counters:

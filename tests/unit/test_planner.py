@@ -11,6 +11,7 @@ import pytest
 
 from dstrain.config.flavors import flavor_args
 from dstrain.hardware import gpu_spec
+from dstrain.planner.calibrate import BOUNDS, _descend
 from dstrain.planner.compute import ComputeConstants, _Chip
 from dstrain.planner.estimate import estimate
 from dstrain.planner.layout import Cluster, Layout
@@ -294,3 +295,14 @@ def test_the_example_v3_config_is_the_layout_checked_here():
     example = tomllib.loads((REPO / "examples" / "deepseek-v3-h800x2048.toml").read_text())
     p = example["parallel"]
     assert (p["pp"], p["dp_shard"], p["ep"], p["zero_stage"]) == (16, 128, 64, 1)
+
+
+def test_the_descent_finds_a_minimum_inside_the_bounds():
+    target = {"gemm_efficiency": 0.3, "attention_efficiency": 2.0}  # 2.0 is out of bounds
+
+    def error(c: ComputeConstants) -> float:
+        return sum((getattr(c, k) / v - 1) ** 2 for k, v in target.items())
+
+    found = _descend(ComputeConstants(), tuple(target), error)
+    assert found.gemm_efficiency == pytest.approx(0.3, rel=0.3)
+    assert found.attention_efficiency == BOUNDS["attention_efficiency"][1]

@@ -1,0 +1,276 @@
+"""`dstrain plan --calibrate RUN_DIR...`: fit the planner's efficiency and bandwidth constants to
+measured runs, and set measured against predicted.
+
+From each run directory: the resolved config (model, layout), summary.json (world size, device)
+and the log lines of metrics.jsonl after the first (which holds the warm-up), medians of:
+the forward, backward and optimizer phases less the communication exposed inside them (the
+work the compute model predicts), time/step_s, the exposed seconds per mesh axis
+(comm/<axis>/exposed_fraction x step), and memory/model_states_mb.
+
+The device: a GPU the hardware table knows by its driver name, or, on a CPU, one built from the
+run: its peak is the run's own (throughput/tflops_per_device over throughput/mfu: the measured
+matmul peak MFU uses), its memory bandwidth and loopback "link" nominal values (50 GB/s, 5 GB/s)
+that the fitted efficiencies scale.
+
+Fitted (coordinate descent on a log scale, least squares of log(predicted / measured)): the
+compute constants (matmul, attention and memory-streaming efficiencies, per-layer overhead)
+against that work, then the intra-node bandwidth efficiency and latency against
+the exposed communication. Model states are not fitted: they are counted, and must agree as they
+are.
+"""
+
+import json
+import math
+import statistics
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from dstrain.config.batch import resolve_batch
+from dstrain.config.flavors import resolve_model_args
+from dstrain.config.load import load_config
+from dstrain.config.model_args import ModelArgs
+from dstrain.errors import UserError
+from dstrain.hardware import GPUSpec, gpu_from_device_name
+from dstrain.planner.comm import CommConstants
+from dstrain.planner.compute import ComputeConstants
+from dstrain.planner.estimate import Constants, estimate
+from dstrain.planner.layout import Cluster, Layout
+from dstrain.planner.memory import GiB, resting_model_states
+
+CPU_MEMORY_TBPS = 0.05  # nominal; memory_efficiency scales it
+CPU_LOOPBACK_GBPS = 5.0  # nominal gloo over loopback; bw_efficiency_intra scales it
+# What a fitted constant may become: efficiencies stay physical shares of the (nominal) peak.
+BOUNDS = {
+    "gemm_efficiency": (0.02, 1.0),
+    "attention_efficiency": (0.01, 1.0),
+    "memory_efficiency": (0.02, 1.0),
+    "layer_overhead_s": (1e-6, 0.05),
+    "bw_efficiency_intra": (0.005, 1.0),
+    "alpha_intra_s": (1e-7, 1e-2),
+}
+AXES = {"dp": ("dp",), "tp": ("tp",), "ep": ("ep",), "pp": ("pp",), "cp": ("cp",)}
+COMPUTE_FIT = ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "layer_overhead_s")
+COMM_FIT = ("bw_efficiency_intra", "alpha_intra_s")
+STEPS = (0.25, 0.5, 0.8, 1.25, 2.0, 4.0)
+
+
+@dataclass(frozen=True)
+class Measured:
+    work_s: float  # forward, backward and optimizer phases, less the communication inside them
+    step_s: float
+    exposed_s: dict[str, float]
+    model_states_bytes: float
+
+
+@dataclass(frozen=True)
+class Run:
+    path: Path
+    args: ModelArgs
+    layout: Layout
+    cluster: Cluster
+    measured: Measured
+
+
+def read_run(path: Path) -> Run:
+    summary = _json(path / "summary.json")
+    if "world_size" not in summary:
+        raise UserError(
+            f"{path}/summary.json has no world_size (a run from before dstrain 0.1's planner)",
+            "train the run again to calibrate with it",
+        )
+    config = load_config(path / "config.toml").config
+    world = int(summary["world_size"])
+    lines = _metrics(path / "metrics.jsonl")
+    layout = _layout(config, world)
+    cluster = _cluster(summary, config, lines, world)
+    return Run(path, resolve_model_args(config.model), layout, cluster, _measured(lines))
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read {path}: {exc}", "pass a finished run directory") from None
+
+
+def _metrics(path: Path) -> list[dict]:
+    try:
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read {path}: {exc}", "pass a finished run directory") from None
+    if len(lines) < 2:
+        raise UserError(
+            f"{path} has {len(lines)} log line(s); calibration skips the first (warm-up)",
+            "train at least 2 log intervals (metrics.log_interval x 2 steps)",
+        )
+    return lines[1:]
+
+
+def _median(lines: list[dict], key: str, default: float = 0.0) -> float:
+    values = [line[key] for line in lines if key in line]
+    return statistics.median(values) if values else default
+
+
+def _measured(lines: list[dict]) -> Measured:
+    step = _median(lines, "time/step_s")
+    exposed = {
+        axis: sum(_median(lines, f"comm/{a}/exposed_fraction") for a in names) * step
+        for axis, names in AXES.items()
+    }
+    phases = sum(_median(lines, f"time/{p}_s") for p in ("forward", "backward", "optimizer"))
+    return Measured(
+        work_s=max(phases - sum(exposed.values()), 0.1 * phases),
+        step_s=step,
+        exposed_s=exposed,
+        model_states_bytes=_median(lines, "memory/model_states_mb") * 2**20,
+    )
+
+
+def _layout(config, world: int) -> Layout:
+    p, t = config.parallel, config.train
+    others = p.dp_replicate * p.cp * p.tp * p.pp
+    dp = p.dp_replicate * (p.dp_shard if p.dp_shard > 0 else world // others)
+    plan, _ = resolve_batch(t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, dp)
+    if plan is None:
+        raise UserError("the run's batch sizes do not resolve", "check its config.toml")
+    return Layout(
+        dp=dp,
+        tp=p.tp,
+        pp=p.pp,
+        ep=p.ep,
+        cp=p.cp,
+        zero=p.zero_stage,
+        micro_batch=plan.micro_batch_size,
+        global_batch=plan.global_batch_size,
+        seq_len=t.seq_len,
+        schedule=p.pp_schedule,
+        virtual_stages=p.num_virtual_stages,
+        recompute=t.activation_checkpoint,
+        precision=t.precision,
+        sequence_parallel=p.sequence_parallel,
+        offload=p.offload_optimizer,
+    )
+
+
+def _cluster(summary: dict, config, lines: list[dict], world: int) -> Cluster:
+    device = str(summary.get("device", "cpu"))
+    gpu = gpu_from_device_name(device) if device != "cpu" else None
+    if gpu is not None:
+        per_node = min(world, config.cluster.gpus_per_node)
+        return Cluster(gpu, world, per_node, config.cluster.inter_node_gbps or 50.0)
+    mfu = _median(lines, "throughput/mfu")
+    if mfu <= 0:
+        raise UserError("the run logged no MFU, so its device's peak is unknown", "")
+    peak = _median(lines, "throughput/tflops_per_device") / mfu
+    cpu = GPUSpec(
+        "cpu", peak, peak, None, peak, 1e3, CPU_MEMORY_TBPS, CPU_LOOPBACK_GBPS, "loopback"
+    )
+    return Cluster(cpu, world, world, CPU_LOOPBACK_GBPS)
+
+
+# ---- fitting ---------------------------------------------------------------------------------
+
+
+def fit(runs: list[Run], start: Constants | None = None) -> Constants:
+    consts = start or Constants()
+    compute = _descend(consts.compute, COMPUTE_FIT, lambda c: _compute_error(runs, consts, c))
+    consts = Constants(compute, consts.comm)
+    if any(any(v > 0 for v in run.measured.exposed_s.values()) for run in runs):
+        comm = _descend(consts.comm, COMM_FIT, lambda c: _comm_error(runs, consts, c))
+        consts = Constants(compute, comm)
+    return consts
+
+
+def _descend(value, names: tuple[str, ...], error) -> object:
+    """Multiplicative coordinate descent: each constant tries x0.25 .. x4 in turn while any
+    move lowers the error, then finer steps (x0.8, x1.25) until none does."""
+    best, best_error = value, error(value)
+    for _ in range(12):
+        improved = False
+        for name in names:
+            low, high = BOUNDS[name]
+            for step in STEPS:
+                moved = min(max(getattr(best, name) * step, low), high)
+                trial = replace(best, **{name: moved})
+                trial_error = error(trial)
+                if trial_error < best_error * 0.999:
+                    best, best_error, improved = trial, trial_error, True
+        if not improved:
+            break
+    return best
+
+
+def _compute_error(runs: list[Run], consts: Constants, compute: ComputeConstants) -> float:
+    total = 0.0
+    for run in runs:
+        e = estimate(run.args, run.layout, run.cluster, Constants(compute, consts.comm))
+        total += _log_error(e.compute_s + e.optimizer_s, run.measured.work_s)
+    return total
+
+
+def _comm_error(runs: list[Run], consts: Constants, comm: CommConstants) -> float:
+    total = 0.0
+    for run in runs:
+        e = estimate(run.args, run.layout, run.cluster, Constants(consts.compute, comm))
+        for axis, measured in run.measured.exposed_s.items():
+            predicted = getattr(e.comm, axis).exposed_seconds + (
+                e.comm.edp.exposed_seconds if axis == "dp" else 0.0
+            )
+            if measured > 0 or predicted > 0:
+                total += _log_error(predicted + 1e-3, measured + 1e-3)
+    return total
+
+
+def _log_error(predicted: float, measured: float) -> float:
+    if predicted <= 0 or measured <= 0:
+        return 0.0
+    return math.log(predicted / measured) ** 2
+
+
+# ---- the report ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Row:
+    run: str
+    layout: str
+    states_measured_gib: float
+    states_predicted_gib: float
+    step_measured_s: float
+    step_default_s: float
+    step_calibrated_s: float
+    comm_measured_s: float
+    comm_calibrated_s: float
+
+    @property
+    def states_error(self) -> float:
+        return self.states_predicted_gib / self.states_measured_gib - 1
+
+    @property
+    def step_error(self) -> float:
+        return self.step_calibrated_s / self.step_measured_s - 1
+
+    def to_json(self) -> dict:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {**data, "states_error": self.states_error, "step_error": self.step_error}
+
+
+def compare(runs: list[Run], consts: Constants) -> list[Row]:
+    rows = []
+    for run in runs:
+        before = estimate(run.args, run.layout, run.cluster)
+        after = estimate(run.args, run.layout, run.cluster, consts)
+        rows.append(
+            Row(
+                run=run.path.name,
+                layout=run.layout.describe(),
+                states_measured_gib=run.measured.model_states_bytes / GiB,
+                states_predicted_gib=resting_model_states(run.args, run.layout) / GiB,
+                step_measured_s=run.measured.step_s,
+                step_default_s=before.step_time_s,
+                step_calibrated_s=after.step_time_s,
+                comm_measured_s=sum(run.measured.exposed_s.values()),
+                comm_calibrated_s=after.comm.exposed_seconds if after.comm else 0.0,
+            )
+        )
+    return rows
