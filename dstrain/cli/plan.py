@@ -102,6 +102,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     layout.add_argument("--precision", choices=("bf16", "fp16", "fp8"), default="bf16")
     layout.add_argument("--sequence-parallel", action="store_true", default=None)
     layout.add_argument("--offload", action="store_true", help="optimizer states on the host")
+    layout.add_argument(
+        "--adam-moments",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="dtype of Adam's two moments (bf16 as DeepSeek-V3; the trainer keeps fp32)",
+    )
     parser.add_argument(
         "--calibrate",
         nargs="+",
@@ -183,6 +189,7 @@ def _layout(args: argparse.Namespace, num_gpus: int):
         precision=args.precision,
         sequence_parallel=given.get("sequence_parallel", degrees["tp"] > 1),
         offload=args.offload,
+        adam_moments=args.adam_moments,
     )
     fixed = set(given) | ({"cp"} if args.cp else set())
     return base, fixed | {"cp", "offload", "precision"}

@@ -14,9 +14,9 @@ that the fitted efficiencies scale.
 
 Fitted (coordinate descent on a log scale, least squares of log(predicted / measured)): the
 compute constants (matmul, attention and memory-streaming efficiencies, per-layer overhead)
-against that work, then the intra-node bandwidth efficiency and latency against
-the exposed communication. Model states are not fitted: they are counted, and must agree as they
-are.
+against that work, then the intra-node bandwidth efficiency, latency and overlap (the share of
+compute that really hides communication) against the exposed communication. Model states are
+not fitted: they are counted, and must agree as they are.
 """
 
 import json
@@ -47,11 +47,12 @@ BOUNDS = {
     "layer_overhead_s": (1e-6, 0.05),
     "bw_efficiency_intra": (0.005, 1.0),
     "alpha_intra_s": (1e-7, 1e-2),
+    "overlap": (0.0, 1.0),
 }
 AXES = {"dp": ("dp",), "tp": ("tp",), "ep": ("ep",), "pp": ("pp",), "cp": ("cp",)}
 COMPUTE_FIT = ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "layer_overhead_s")
-COMM_FIT = ("bw_efficiency_intra", "alpha_intra_s")
-STEPS = (0.25, 0.5, 0.8, 1.25, 2.0, 4.0)
+COMM_FIT = ("bw_efficiency_intra", "alpha_intra_s", "overlap")
+STEPS = (0.0, 0.25, 0.5, 0.8, 1.25, 2.0, 4.0)  # 0: overlap can vanish (bounds keep the rest)
 
 
 @dataclass(frozen=True)

@@ -65,11 +65,14 @@ class CommConstants:
 
     alpha_*: seconds per latency step inside a node / across nodes; bw_efficiency_*: the share
     of the nominal link bandwidth (GPUSpec.intra_node_gbps, Cluster.inter_node_gbps) that a
-    collective reaches as nccl-tests busbw."""
+    collective reaches as nccl-tests busbw; overlap: the share of the compute that can hide
+    communication which really does (1 on GPUs, where collectives run on their own streams;
+    lower where they compete with compute for the same cores, as gloo on a CPU does)."""
 
     alpha_intra_s: float = ALPHA_INTRA_S
     alpha_inter_s: float = ALPHA_INTER_S
     bw_efficiency_intra: float = BW_EFFICIENCY_INTRA
+    overlap: float = 1.0
     bw_efficiency_inter: float = BW_EFFICIENCY_INTER
 
 
@@ -295,6 +298,9 @@ def comm_per_step(
             f"global_batch={layout.global_batch} gives no micro-batch to dp={layout.dp} x "
             f"micro_batch={layout.micro_batch}; make global_batch a multiple of their product"
         )
+    hide = consts.overlap  # the compute that really hides communication
+    forward_compute_s, backward_compute_s = hide * forward_compute_s, hide * backward_compute_s
+    attention_compute_s, overlap_compute_s = hide * attention_compute_s, hide * overlap_compute_s
     ctx = _Ctx(
         layout,
         cluster,

@@ -133,7 +133,7 @@ def optimizer_seconds(
 ) -> float:
     """AdamW's step over the `params` this rank updates: memory-bound, it reads the weights,
     gradients and both moments (and the master copy) and writes all but the gradients once."""
-    weight, grad, state = state_bytes(layout.precision)
+    weight, grad, state = state_bytes(layout.precision, layout.adam_moments)
     chip = _Chip(cluster, layout.precision, consts or ComputeConstants())
     return chip.stream(params * (2 * weight + grad + 2 * state))
 

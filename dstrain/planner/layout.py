@@ -30,6 +30,7 @@ class Layout:
     precision: str = "bf16"
     sequence_parallel: bool = False
     offload: bool = False  # optimizer states (and fp32 master weights) in host memory
+    adam_moments: str = "fp32"  # or "bf16": Adam's two moments in 16 bits
 
     @property
     def world(self) -> int:

@@ -84,20 +84,27 @@ class Memory:
         }
 
 
-def state_bytes(precision: str) -> tuple[int, int, int]:
+def state_bytes(precision: str, moments: str = "fp32") -> tuple[int, int, int]:
     """(weight, gradient, optimizer) bytes per parameter: mixed precision keeps 16-bit weights
     and gradients and fp32 master weights + Adam moments (2, 2, 12); fp32 training has no
-    master copy: fp32 weights and gradients and the two moments (4, 4, 8)."""
+    master copy: fp32 weights and gradients and the two moments (4, 4, 8). bf16 moments (as
+    DeepSeek-V3 keeps them, report sec. 3.3.3) save 4 bytes of the 12 (or 8)."""
+    saved = 4 if moments == "bf16" else 0
     if precision == "fp32":
-        return 4, 4, 8
-    return WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES
+        return 4, 4, 8 - saved
+    return WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES - saved
 
 
 def model_state_bytes(
-    params: float, zero: int, shard: int, offload: bool, precision: str = "bf16"
+    params: float,
+    zero: int,
+    shard: int,
+    offload: bool,
+    precision: str = "bf16",
+    moments: str = "fp32",
 ) -> tuple[float, ...]:
     """(weights, gradients, optimizer) bytes of `params` parameters sharded over `shard` ranks."""
-    weight, grad, state = state_bytes(precision)
+    weight, grad, state = state_bytes(precision, moments)
     weights = weight * params / (shard if zero >= 3 else 1)
     grads = grad * params / (shard if zero >= 2 else 1)
     optimizer = 0.0 if offload else state * params / (shard if zero >= 1 else 1)
@@ -126,7 +133,12 @@ def resting_model_states(args: ModelArgs, layout: Layout) -> float:
 
 def _rank_memory(args: ModelArgs, layout: Layout, shape: RankShape) -> Memory:
     dense = model_state_bytes(
-        shape.dense_params, layout.zero, layout.dp * layout.cp, layout.offload, layout.precision
+        shape.dense_params,
+        layout.zero,
+        layout.dp * layout.cp,
+        layout.offload,
+        layout.precision,
+        layout.adam_moments,
     )
     experts = model_state_bytes(
         shape.expert_params,
@@ -134,6 +146,7 @@ def _rank_memory(args: ModelArgs, layout: Layout, shape: RankShape) -> Memory:
         layout.expert_shard,
         layout.offload,
         layout.precision,
+        layout.adam_moments,
     )
     weights, grads, optimizer = (d + e for d, e in zip(dense, experts, strict=True))
     activations = activation_bytes(args, layout, shape)

@@ -306,3 +306,9 @@ def test_the_descent_finds_a_minimum_inside_the_bounds():
     found = _descend(ComputeConstants(), tuple(target), error)
     assert found.gemm_efficiency == pytest.approx(0.3, rel=0.3)
     assert found.attention_efficiency == BOUNDS["attention_efficiency"][1]
+
+
+def test_bf16_adam_moments_save_a_third_of_the_optimizer_states():
+    fp32 = model_state_bytes(1e9, 1, 1, offload=False)[2]
+    bf16 = model_state_bytes(1e9, 1, 1, offload=False, moments="bf16")[2]
+    assert (fp32, bf16) == (12e9, 8e9)
