@@ -9,13 +9,14 @@ work the compute model predicts), time/step_s, the exposed seconds per mesh axis
 
 The device: a GPU the hardware table knows by its driver name, or, on a CPU, one built from the
 run: its peak is the run's own (throughput/tflops_per_device over throughput/mfu: the measured
-matmul peak MFU uses), its memory bandwidth and loopback "link" nominal values (50 GB/s, 5 GB/s)
-that the fitted efficiencies scale.
+matmul peak MFU uses), its memory bandwidth and loopback "link" nominal values that the fitted
+efficiencies scale (200 GB/s: the caches a small model's weights live in; 5 GB/s).
 
 Fitted (coordinate descent on a log scale, least squares of log(predicted / measured)): the
 compute constants (matmul, attention and memory-streaming efficiencies, per-layer overhead)
-against that work, then the intra-node bandwidth efficiency, latency and overlap (the share of
-compute that really hides communication) against the exposed communication. Model states are
+against that work, then the intra-node bandwidth efficiency, latency, overlap (the share of
+compute that really hides communication) and a factor per kind of collective against the
+exposed communication. Model states are
 not fitted: they are counted, and must agree as they are.
 """
 
@@ -37,7 +38,7 @@ from dstrain.planner.estimate import Constants, estimate
 from dstrain.planner.layout import Cluster, Layout
 from dstrain.planner.memory import GiB, resting_model_states
 
-CPU_MEMORY_TBPS = 0.05  # nominal; memory_efficiency scales it
+CPU_MEMORY_TBPS = 0.2  # nominal: cache bandwidth (small models live in cache); fitted share of it
 CPU_LOOPBACK_GBPS = 5.0  # nominal gloo over loopback; bw_efficiency_intra scales it
 # What a fitted constant may become: efficiencies stay physical shares of the (nominal) peak.
 BOUNDS = {
@@ -48,10 +49,22 @@ BOUNDS = {
     "bw_efficiency_intra": (0.005, 1.0),
     "alpha_intra_s": (1e-7, 1e-2),
     "overlap": (0.0, 1.0),
+    "all_reduce_factor": (0.1, 10.0),
+    "gather_factor": (0.1, 10.0),
+    "all_to_all_factor": (0.1, 10.0),
+    "p2p_factor": (0.1, 10.0),
 }
 AXES = {"dp": ("dp",), "tp": ("tp",), "ep": ("ep",), "pp": ("pp",), "cp": ("cp",)}
 COMPUTE_FIT = ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "layer_overhead_s")
-COMM_FIT = ("bw_efficiency_intra", "alpha_intra_s", "overlap")
+COMM_FIT = (
+    "bw_efficiency_intra",
+    "alpha_intra_s",
+    "overlap",
+    "all_reduce_factor",
+    "gather_factor",
+    "all_to_all_factor",
+    "p2p_factor",
+)
 STEPS = (0.0, 0.25, 0.5, 0.8, 1.25, 2.0, 4.0)  # 0: overlap can vanish (bounds keep the rest)
 
 

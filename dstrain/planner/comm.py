@@ -73,6 +73,13 @@ class CommConstants:
     alpha_inter_s: float = ALPHA_INTER_S
     bw_efficiency_intra: float = BW_EFFICIENCY_INTRA
     overlap: float = 1.0
+    # Per kind of collective, a factor on both links' efficiency (1: the kind reaches what the
+    # link does). NCCL's kinds do differ (all-to-all reaches less bus bandwidth than a ring
+    # all-reduce); calibration finds how much on the runs it is given.
+    all_reduce_factor: float = 1.0
+    gather_factor: float = 1.0  # all-gather and reduce-scatter
+    all_to_all_factor: float = 1.0
+    p2p_factor: float = 1.0
     bw_efficiency_inter: float = BW_EFFICIENCY_INTER
 
 
@@ -145,6 +152,14 @@ def link_kind(n: int, stride: int, cluster: Cluster) -> str:
     return "intra" if n * stride <= cluster.gpus_per_node else "inter"
 
 
+def _kind_factor(op: str, consts: CommConstants) -> float:
+    if op == "all_reduce":
+        return consts.all_reduce_factor
+    if op in ("all_gather", "reduce_scatter"):
+        return consts.gather_factor
+    return consts.all_to_all_factor if op == "all_to_all" else consts.p2p_factor
+
+
 def group_time(
     op: str,
     nbytes: float,
@@ -169,11 +184,12 @@ def group_time(
     if n <= 1 or calls <= 0:
         return 0.0
     k = ranks_per_node(n, stride, cluster.gpus_per_node)
-    bw_intra = cluster.gpu.intra_node_gbps * 1e9 * consts.bw_efficiency_intra
+    factor = _kind_factor(op, consts)
+    bw_intra = cluster.gpu.intra_node_gbps * 1e9 * consts.bw_efficiency_intra * factor
     a_intra, a_inter = consts.alpha_intra_s, consts.alpha_inter_s
     if k == n:
         return bus_factor(op, n) * nbytes / bw_intra + calls * latency_steps(op, n) * a_intra
-    bw_inter = cluster.inter_node_gbps * 1e9 * consts.bw_efficiency_inter
+    bw_inter = cluster.inter_node_gbps * 1e9 * consts.bw_efficiency_inter * factor
     if op == "all_to_all":
         intra = (k - 1) / n * nbytes / bw_intra + calls * (k - 1) * a_intra
         inter = (n - k) / n * nbytes / bw_inter + calls * (n - k) * a_inter
