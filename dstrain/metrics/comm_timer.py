@@ -98,6 +98,12 @@ class CommTimer:
         _install()
         _active = self
 
+    def stop(self) -> None:
+        """No more timing (the run is over); the patches stay, idle."""
+        global _active
+        if _active is self:
+            _active = None
+
     def pause(self) -> "_Paused":
         """`with timer.pause():` collectives inside are not counted (checkpoints, metrics)."""
         return _Paused(self)

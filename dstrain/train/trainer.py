@@ -450,6 +450,9 @@ class Trainer:
     def _finish(self, start: int, started: float, last: StepResult | None) -> RunSummary:
         self.checkpoints.close()
         self.profiler.finish()
+        self._note_trace()
+        if self.probes.comm is not None:
+            self.probes.comm.stop()
         self.heartbeat.beat(self.step, "done")
         wall = time.perf_counter() - started
         tokens = (self.step - start) * self.batch.global_batch_size * self.config.train.seq_len
