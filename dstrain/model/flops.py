@@ -217,8 +217,8 @@ def param_counts(args: ModelArgs) -> ParamCounts:
     )
 
 
-def _score_head_dims(args: ModelArgs) -> tuple[int, int]:
-    """(query/key, value) width per head in the score and value products."""
+def score_head_dims(args: ModelArgs) -> tuple[int, int]:
+    """(query/key, value) width per head in the score and value products (the planner's too)."""
     if args.attention == "mla":
         return args.qk_nope_head_dim + args.qk_rope_head_dim, args.v_head_dim
     head_dim = args.head_dim or args.dim // args.num_heads
@@ -238,7 +238,7 @@ def attention_forward_flops_per_token(args: ModelArgs, seq_len: int) -> float:
     """
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be at least 1")
-    qk_dim, v_dim = _score_head_dims(args)
+    qk_dim, v_dim = score_head_dims(args)
     per_layer = 2 * args.num_heads * (qk_dim + v_dim) * (seq_len / 2)
     return per_layer * (args.num_layers + args.num_mtp_modules)
 
@@ -303,7 +303,7 @@ def stage_forward_flops_per_token(
     lookup and costs nothing here). Balances the pipeline's default split."""
     dense, moe = _block(args, moe=False), _block(args, moe=True)
     is_moe = args.num_routed_experts > 0
-    qk_dim, v_dim = _score_head_dims(args)
+    qk_dim, v_dim = score_head_dims(args)
     scores = 2 * args.num_heads * (qk_dim + v_dim) * (seq_len / 2)
     flops = sum(
         2 * (moe if is_moe and i >= args.first_k_dense else dense).matmul_per_token + scores

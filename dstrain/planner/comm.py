@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 from dstrain.config.model_args import ModelArgs
+from dstrain.model.flops import score_head_dims
 from dstrain.planner.bubble import stages_per_rank
 from dstrain.planner.layout import Cluster, Layout
 
@@ -422,7 +423,7 @@ def _kv_width(args: ModelArgs, tp: int) -> int:
     if args.attention == "mla":
         heads = -(-args.num_heads // tp)
         return heads * (args.qk_nope_head_dim + args.qk_rope_head_dim + args.v_head_dim)
-    head_dim = args.head_dim or args.dim // args.num_heads
+    head_dim, _ = score_head_dims(args)
     return 2 * -(-args.kv_heads // tp) * head_dim
 
 

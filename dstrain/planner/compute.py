@@ -24,6 +24,7 @@ the forward again in backward.
 from dataclasses import dataclass
 
 from dstrain.config.model_args import ModelArgs
+from dstrain.model.flops import score_head_dims
 from dstrain.planner.layout import Cluster, Layout
 from dstrain.planner.memo import per_model
 from dstrain.planner.memory import state_bytes
@@ -144,7 +145,7 @@ def _layer(
     """(forward seconds, of which attention's fused kernel) of one layer."""
     tp, d = layout.tp, args.dim
     projections = sum(chip.gemm(tokens, k, n / s) for k, n, s in _attention_matmuls(args, tp))
-    qk, v = _head_dims(args)
+    qk, v = score_head_dims(args)
     context = layout.seq_len / 2  # causal: half the scores on average
     attention = chip.attention(2 * tokens * (args.num_heads / tp) * (qk + v) * context)
     ffn = (
@@ -170,19 +171,12 @@ def _attention_matmuls(args: ModelArgs, tp: int) -> list[tuple[float, float, flo
             (args.kv_lora_rank, h * (args.qk_nope_head_dim + args.v_head_dim), tp),
         ]
         return [*query, *kv, (h * args.v_head_dim, d, tp)]
-    head_dim = args.head_dim or d // h
+    head_dim, _ = score_head_dims(args)
     return [
         (d, h * head_dim, tp),
         (d, 2 * args.kv_heads * head_dim, tp),
         (h * head_dim, d, tp),
     ]
-
-
-def _head_dims(args: ModelArgs) -> tuple[int, int]:
-    if args.attention == "mla":
-        return args.qk_nope_head_dim + args.qk_rope_head_dim, args.v_head_dim
-    head_dim = args.head_dim or args.dim // args.num_heads
-    return head_dim, head_dim
 
 
 def _swiglu(args: ModelArgs, chip: _Chip, tokens: float, width: float, tp: int) -> float:

@@ -40,6 +40,7 @@ fragmentation (10% of activations); ZeRO-3 also holds the largest layer gathered
 from dataclasses import asdict, dataclass
 
 from dstrain.config.model_args import ModelArgs
+from dstrain.model.flops import score_head_dims
 from dstrain.planner.layout import Cluster, Layout
 from dstrain.planner.memo import per_model
 from dstrain.planner.shape import RankShape, rank_shapes
@@ -222,7 +223,7 @@ def _attention_bytes(args: ModelArgs, tp: int) -> float:
         latents = 2 * args.q_lora_rank + 2 * args.kv_lora_rank + args.qk_rope_head_dim
         per_head = 3 * qk + (args.qk_nope_head_dim + args.v_head_dim) + 2 * args.v_head_dim
     else:
-        head_dim = args.head_dim or args.dim // args.num_heads
+        head_dim, _ = score_head_dims(args)
         latents = 0
         kv_share = args.kv_heads / args.num_heads
         per_head = head_dim * (1 + 2 * kv_share) + 2 * head_dim
