@@ -96,9 +96,13 @@ def search_command(
 
 
 def calibrate_command(paths: list[Path], args: argparse.Namespace, out: Console) -> int:
-    from dstrain.planner.calibrate import compare, fit, read_run
+    from dstrain.planner.calibrate import compare, fit, read_run, run_summary
+    from dstrain.report.run_data import load_run
 
-    runs = [read_run(path) for path in paths]
+    runs = []
+    for path in paths:
+        summary = run_summary(path)
+        runs.append(read_run(path, summary, load_run(path).series))
     consts = fit(runs)
     rows = compare(runs, consts)
     fitted = {**consts.compute.__dict__, **consts.comm.__dict__}

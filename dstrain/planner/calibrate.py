@@ -23,8 +23,10 @@ not fitted: they are counted, and must agree as they are.
 import json
 import math
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 from dstrain.config.batch import resolve_batch
 from dstrain.config.flavors import resolve_model_args
@@ -85,16 +87,23 @@ class Run:
     measured: Measured
 
 
-def read_run(path: Path) -> Run:
+def run_summary(path: Path) -> dict:
+    """A run's summary.json, which must name its world size."""
     summary = _json(path / "summary.json")
     if "world_size" not in summary:
         raise UserError(
             f"{path}/summary.json has no world_size (a run from before dstrain 0.1's planner)",
             "train the run again to calibrate with it",
         )
+    return summary
+
+
+def read_run(path: Path, summary: dict, series: Mapping[str, Any]) -> Run:
+    """`series`: the run's metrics per key, each with `.steps` and `.values` (the report's
+    reader, `report.run_data.load_run`, gives them; the planner sits below it)."""
     config = load_config(path / "config.toml").config
     world = int(summary["world_size"])
-    lines = _metrics(path / "metrics.jsonl")
+    lines = _after_warmup(path, series)
     layout = _layout(config, world)
     cluster = _cluster(summary, config, lines, world)
     return Run(path, resolve_model_args(config.model), layout, cluster, _measured(lines))
@@ -107,25 +116,28 @@ def _json(path: Path) -> dict:
         raise UserError(f"cannot read {path}: {exc}", "pass a finished run directory") from None
 
 
-def _metrics(path: Path) -> list[dict]:
-    try:
-        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read {path}: {exc}", "pass a finished run directory") from None
-    if len(lines) < 2:
+def _after_warmup(path: Path, series: Mapping[str, Any]) -> dict[str, list[float]]:
+    """Each key's values after the first log line (which holds the warm-up)."""
+    steps = sorted({step for s in series.values() for step in s.steps})
+    if len(steps) < 2:
         raise UserError(
-            f"{path} has {len(lines)} log line(s); calibration skips the first (warm-up)",
+            f"{path}/metrics.jsonl has {len(steps)} log line(s); calibration skips the first "
+            "(warm-up)",
             "train at least 2 log intervals (metrics.log_interval x 2 steps)",
         )
-    return lines[1:]
+    first = steps[0]
+    return {
+        key: [v for step, v in zip(s.steps, s.values, strict=True) if step > first]
+        for key, s in series.items()
+    }
 
 
-def _median(lines: list[dict], key: str, default: float = 0.0) -> float:
-    values = [line[key] for line in lines if key in line]
+def _median(lines: dict[str, list[float]], key: str, default: float = 0.0) -> float:
+    values = lines.get(key)
     return statistics.median(values) if values else default
 
 
-def _measured(lines: list[dict]) -> Measured:
+def _measured(lines: dict[str, list[float]]) -> Measured:
     step = _median(lines, "time/step_s")
     exposed = {
         axis: sum(_median(lines, f"comm/{a}/exposed_fraction") for a in names) * step
@@ -166,7 +178,7 @@ def _layout(config, world: int) -> Layout:
     )
 
 
-def _cluster(summary: dict, config, lines: list[dict], world: int) -> Cluster:
+def _cluster(summary: dict, config, lines: dict[str, list[float]], world: int) -> Cluster:
     device = str(summary.get("device", "cpu"))
     gpu = gpu_from_device_name(device) if device != "cpu" else None
     if gpu is not None:
