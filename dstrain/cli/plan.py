@@ -147,13 +147,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _model(name: str):
+    from dstrain.cli.plan_report import hf_config_path
     from dstrain.config.flavors import flavor_args
     from dstrain.config.hf_config import read_hf_config
 
-    path = Path(name)
-    if name.endswith(".json") or path.is_file():
-        return read_hf_config(path)
-    return flavor_args(name)
+    path = hf_config_path(name)
+    return read_hf_config(path) if path is not None else flavor_args(name)
 
 
 def _cluster(args: argparse.Namespace):

@@ -157,12 +157,18 @@ def _emit(args: argparse.Namespace, model: ModelArgs, cluster: Cluster, result: 
     if args.emit_config is None:
         return
     name = args.model
-    hf = Path(name) if name.endswith(".json") or Path(name).is_file() else None
+    hf = hf_config_path(name)
     config = to_config(result.layout, cluster, flavor=None if hf else name, hf_config=hf)
     try:
         args.emit_config.write_text(to_toml(config))
     except OSError as exc:
         raise UserError(f"cannot write {args.emit_config}: {exc}", "pass a writable path") from None
+
+
+def hf_config_path(model: str) -> Path | None:
+    """--model names a Hugging Face config.json (a path), or else a flavor (None)."""
+    path = Path(model)
+    return path if model.endswith(".json") or path.is_file() else None
 
 
 def _print_estimate(e: Estimate, out: Console) -> None:

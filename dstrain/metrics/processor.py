@@ -246,7 +246,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def _memory_now(device: torch.device) -> list[float]:
     """[RSS now, peak RSS, GPU peak allocated, GPU peak reserved] in MB (GPU: 0 on CPU)."""
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak_rss = peak_rss_mb()
     statm = Path("/proc/self/statm")
     pages = int(statm.read_text().split()[1]) if statm.exists() else 0
     rss = pages * resource.getpagesize() / 2**20 if pages else peak_rss

@@ -186,9 +186,10 @@ class Trainer:
         )
 
     def _build_sinks(self) -> list[Sink]:
+        resolved = self._resolved_config()
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.toml").write_text(to_toml(self._resolved_config()))
+            (self.run_dir / "config.toml").write_text(to_toml(resolved))
         return build_sinks(
             self.config,
             self.run_dir,
@@ -196,7 +197,7 @@ class Trainer:
             local_rank=env_int("LOCAL_RANK", 0),
             is_main=self.world.is_main,
             after_step=self.step,
-            resolved=self._resolved_config().model_dump(mode="json"),
+            resolved=resolved.model_dump(mode="json"),
         )
 
     def _resolved_config(self) -> DstrainConfig:
