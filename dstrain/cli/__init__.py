@@ -10,6 +10,7 @@ from dstrain.cli import (
     ckpt,
     config_cmd,
     convert,
+    doctor,
     loss_compare,
     not_built,
     plan,
@@ -32,6 +33,7 @@ COMMANDS = (
     schedule,
     report,
     plan,
+    doctor,
     not_built,
 )
 

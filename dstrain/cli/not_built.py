@@ -7,7 +7,6 @@ from dstrain.cli.common import not_built
 
 # name, one-line help, the issue that builds it
 PENDING = (
-    ("doctor", "check GPUs, topology, NCCL env, InfiniBand and disk", "the cluster-tooling issue"),
     (
         "bench",
         "measure collective bandwidth with nccl-tests semantics",

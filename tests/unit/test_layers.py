@@ -25,8 +25,8 @@ LAYERS = {
     "__main__": 4,
     "__init__": 4,
 }
-NO_TORCH = {"errors", "hardware", "config", "planner", "deploy", "doctor"}
-NO_TORCH_DISTRIBUTED = NO_TORCH | {"model", "data"}
+NO_TORCH = {"errors", "hardware", "config", "planner", "deploy"}
+NO_TORCH_DISTRIBUTED = NO_TORCH | {"model", "data", "doctor"}
 
 
 def _modules():

@@ -1,0 +1,192 @@
+"""What doctor concludes: TP/EP groups over PCIe-only pairs, far NICs, the NCCL environment lint
+and the host limits, each naming the right device, variable or number."""
+
+import os
+
+import pytest
+
+from dstrain.doctor import system
+from dstrain.doctor.nccl_env import lint_nccl_env, match_ifname, socket_ifname_check
+from dstrain.doctor.topology import parse_topology
+from dstrain.doctor.topology_checks import largest_nvlinked_tp, topology_checks
+from tests.conftest import REPO, SHARED
+
+TOPO = REPO / "tests" / "fixtures" / "doctor" / "topo"
+DGX1 = SHARED / "fixtures" / "topo" / "08_v100_sxm2_dgx1_hybrid_cube_mesh_dlperf.txt"
+
+
+def _checks(path, **layout):
+    return {c.name: c for c in topology_checks(parse_topology(path.read_text()), **layout)}
+
+
+def test_tp8_on_a_dgx1_names_the_pairs_without_nvlink(shared):
+    checks = _checks(DGX1, tp=8)
+    tp = checks["tp=8"]
+    assert tp.status == "warn"
+    assert "GPU0-GPU5 (SYS)" in tp.detail and "GPU1-GPU4 (SYS)" in tp.detail
+    assert "GPU0-GPU1" not in tp.detail  # NV1: linked
+    assert "tp <= 4" in tp.fix
+
+
+def test_tp4_on_a_dgx1_is_fine_and_the_nvlink_counts_are_reported(shared):
+    checks = _checks(DGX1, tp=4)
+    assert checks["tp=4"].status == "ok"
+    assert "NV2 x8, NV1 x8, SYS x12" in checks["nvlink"].detail
+    assert "CPUs 0-11,24-35: GPU0, GPU1, GPU2, GPU3" in checks["numa"].detail
+
+
+def test_dgx1_gpus_without_a_near_nic_are_named(shared):
+    nic = _checks(DGX1)["GPU-NIC"]
+    assert nic.status == "warn"
+    for gpu in ("GPU0 (nearest mlx5_0 at NODE)", "GPU4 (nearest mlx5_0 at SYS)"):
+        assert gpu in nic.detail
+    assert "GPU2" not in nic.detail and "GPU3" not in nic.detail  # PIX to mlx5_0
+
+
+def test_ep_groups_take_one_gpu_from_each_tp_group(shared):
+    checks = _checks(DGX1, tp=2, ep=4)
+    assert checks["tp=2"].status == "ok"  # GPU0-1, 2-3, 4-5, 6-7 are all NV-linked
+    ep = checks["ep=4"]
+    # EP groups: {0,2,4,6} and {1,3,5,7}; GPU0-GPU6 is SYS on a DGX-1.
+    assert ep.status == "warn" and "GPU0-GPU6 (SYS)" in ep.detail
+
+
+def test_a100_storage_nics_are_far_and_tp8_is_fine():
+    checks = _checks(TOPO / "01_dgx_a100_nv12_10nic_tabs_fenced.txt", tp=8, ep=1)
+    assert checks["tp=8"].status == "ok"
+    far = checks["far NICs"]
+    assert "mlx5_8 (NIC8)" in far.detail and "mlx5_9 (NIC9)" in far.detail
+    assert "NIC7" not in far.detail
+    assert "NCCL_IB_HCA=^=mlx5_8,=mlx5_9" in far.fix
+    assert "GPU-NIC" not in checks  # every GPU has a PXB NIC
+
+
+def test_h100_is_clean():
+    checks = _checks(TOPO / "02_dgx_h100_nv18_8nic_sglang_env.txt", tp=8, ep=8)
+    assert {c.status for c in checks.values()} == {"ok"}
+    assert "GPU0->mlx5_0 (NIC0)" in checks["GPU-NIC"].detail
+    assert "NUMA 0: GPU0, GPU1, GPU2, GPU3; NUMA 1: GPU4, GPU5, GPU6, GPU7" in checks["numa"].detail
+    assert "spans nodes" in checks["ep=8"].detail
+
+
+def test_pcie_box_tp2_warns_and_suggests_tp1():
+    topo = parse_topology((TOPO / "03_rtx4090_8gpu_2nic_pcie_tabs.txt").read_text())
+    assert largest_nvlinked_tp(topo) == 1
+    checks = {c.name: c for c in topology_checks(topo, tp=2)}
+    assert "GPU0-GPU1 (SYS)" in checks["tp=2"].detail and "tp <= 1" in checks["tp=2"].fix
+    lonely = checks["GPU-NIC"].detail
+    assert "GPU0 (nearest NIC0 at SYS)" in lonely and "GPU6" not in lonely
+
+
+def test_tp_beyond_the_node_warns():
+    checks = _checks(TOPO / "04_rtx5090_2gpu_phb_tabs.txt", tp=4)
+    assert "tp=4 > 2 GPUs per node" in checks["tp across nodes"].detail
+    assert "GPU0-GPU1 (PHB)" in checks["tp=4"].detail
+
+
+def test_no_layout_no_tp_check():
+    assert not any(n.startswith("tp=") for n in _checks(TOPO / "05_rtx5090_4090_5gpu_two_numa.txt"))
+
+
+@pytest.fixture
+def net(tmp_path):
+    for name in ("lo", "eth0", "ib0", "docker0"):
+        (tmp_path / name).mkdir()
+    return tmp_path
+
+
+def _lint(env, net, ib_active=False):
+    return {c.name: c for c in lint_nccl_env(env, net, ib_active)}
+
+
+def test_unknown_variable_gets_a_suggestion(net):
+    check = _lint({"NCCL_SOCKET_IFNAM": "eth0", "NCCL_IB_HCA": "mlx5"}, net)["NCCL_SOCKET_IFNAM"]
+    assert check.status == "warn" and "did you mean NCCL_SOCKET_IFNAME" in check.detail
+
+
+def test_deprecated_torch_spellings(net):
+    checks = _lint({"NCCL_ASYNC_ERROR_HANDLING": "1", "NCCL_BLOCKING_WAIT": "1"}, net)
+    assert checks["NCCL_ASYNC_ERROR_HANDLING"].fix == "rename it to TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    assert checks["TORCH_NCCL_BLOCKING_WAIT"].status == "warn"
+
+
+def test_async_error_handling_off_warns(net):
+    check = _lint({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}, net)["TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+    assert check.status == "warn" and "wall-clock" in check.detail
+
+
+@pytest.mark.parametrize(("level", "status"), [("INFO", "warn"), ("trace", "warn"), ("WARN", "ok")])
+def test_debug_level(net, level, status):
+    check = _lint({"NCCL_DEBUG": level}, net)["NCCL_DEBUG"]
+    assert check.status == status
+    if status == "warn":
+        assert check.fix.startswith("NCCL_DEBUG=WARN")
+
+
+def test_ib_disable_on_an_ib_host(net):
+    assert "NCCL_IB_DISABLE" in _lint({"NCCL_IB_DISABLE": "1"}, net, ib_active=True)
+    assert "NCCL_IB_DISABLE" not in _lint({"NCCL_IB_DISABLE": "1"}, net, ib_active=False)
+
+
+@pytest.mark.parametrize(
+    ("spec", "chosen"),
+    [
+        ("eth", ["eth0"]),
+        ("=eth0", ["eth0"]),
+        ("=eth", []),
+        ("^docker,lo", ["eth0", "ib0"]),
+        ("^=docker0", ["eth0", "ib0", "lo"]),
+        ("ib,eth", ["eth0", "ib0"]),
+    ],
+)
+def test_socket_ifname_follows_nccl_syntax(spec, chosen):
+    assert match_ifname(spec, ["docker0", "eth0", "ib0", "lo"]) == chosen
+
+
+def test_socket_ifname_verdicts(net):
+    interfaces = sorted(p.name for p in net.iterdir())
+    missing = socket_ifname_check("enp1s0", interfaces)
+    assert missing.status == "fail" and "docker0, eth0, ib0, lo" in missing.detail
+    partly = socket_ifname_check("eth,bond", interfaces)
+    assert partly.status == "warn" and "bond match no interface" in partly.detail
+    assert socket_ifname_check("^eth,ib,lo,docker", interfaces).status == "fail"
+    assert socket_ifname_check("=ib0", interfaces).status == "ok"
+    assert socket_ifname_check("eth0", None).status == "ok"  # cannot list: not checked
+    assert _lint({"NCCL_SOCKET_IFNAME": "enp1s0"}, net)["NCCL_SOCKET_IFNAME"].status == "fail"
+
+
+def test_clean_env_is_ok(net):
+    (check,) = lint_nccl_env({"PATH": "/bin"}, net)
+    assert check.status == "ok"
+
+
+def test_shm_thresholds(tmp_path, monkeypatch):
+    def statvfs(size):
+        return os.statvfs_result(
+            (4096, 4096, size // 4096, size // 4096, size // 4096, 0, 0, 0, 0, 255)
+        )
+
+    monkeypatch.setattr(os, "statvfs", lambda path: statvfs(64 * 1024**2))
+    small = system.shm_check(tmp_path)
+    assert small.status == "warn" and "Docker's 64 MiB default" in small.detail
+    assert "--shm-size" in small.fix
+    monkeypatch.setattr(os, "statvfs", lambda path: statvfs(8 * 1024**3))
+    assert system.shm_check(tmp_path).status == "ok"
+    assert system.shm_check(tmp_path, num_workers=64).status == "warn"  # 64 x 256 MiB > 8 GiB
+
+
+def test_nofile_thresholds():
+    low = system.nofile_check((1024, 4096))
+    assert low.status == "warn" and "raise the hard limit first" in low.fix
+    assert system.nofile_check((1048576, 1048576)).status == "ok"
+    assert system.nofile_check((-1, -1)).status == "ok"
+
+
+def test_disk_and_read_speed_on_a_tmp_dir(tmp_path):
+    assert system.disk_check(tmp_path).status in ("ok", "warn")
+    assert system.disk_check(tmp_path / "absent").status == "fail"
+    seen = []
+    check = system.read_speed_check(tmp_path, size_mib=2, progress=seen.append)
+    assert "MB/s (2 MiB test file)" in check.detail
+    assert seen[-1] == pytest.approx(1.0)
+    assert list(tmp_path.iterdir()) == []  # the test file is gone
