@@ -10,6 +10,7 @@ from dstrain.cli import (
     ckpt,
     config_cmd,
     convert,
+    deploy,
     doctor,
     loss_compare,
     not_built,
@@ -34,6 +35,7 @@ COMMANDS = (
     report,
     plan,
     doctor,
+    deploy,
     not_built,
 )
 

@@ -12,7 +12,6 @@ PENDING = (
         "measure collective bandwidth with nccl-tests semantics",
         "the cluster-tooling issue",
     ),
-    ("deploy", "render Docker, Kubernetes or Slurm launch files", "the cluster-tooling issue"),
 )
 
 
