@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from dstrain import __version__
 from dstrain.cli import (
+    bench,
     check,
     ckpt,
     config_cmd,
@@ -13,7 +14,6 @@ from dstrain.cli import (
     deploy,
     doctor,
     loss_compare,
-    not_built,
     plan,
     report,
     schedule,
@@ -35,8 +35,8 @@ COMMANDS = (
     report,
     plan,
     doctor,
+    bench,
     deploy,
-    not_built,
 )
 
 
@@ -57,9 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra and not getattr(args, "accepts_anything", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

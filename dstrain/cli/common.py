@@ -12,8 +12,6 @@ from rich.console import Console
 
 from dstrain.errors import UserError
 
-NOT_BUILT_EXIT = 2
-
 
 def console(stderr: bool = False) -> Console:
     return Console(stderr=stderr, highlight=False, soft_wrap=True)
@@ -82,13 +80,3 @@ def run_guarded(func: Callable[[argparse.Namespace], int], args: argparse.Namesp
         return 130
     except BrokenPipeError:
         return 0
-
-
-def not_built(name: str, issue: str) -> Callable[[argparse.Namespace], int]:
-    """The handler of a subcommand a later issue fills: says so and exits 2."""
-
-    def handler(args: argparse.Namespace) -> int:
-        console(stderr=True).print(f"dstrain {name}: not built yet ({issue}).", markup=False)
-        return NOT_BUILT_EXIT
-
-    return handler

@@ -1,5 +1,6 @@
-"""`dstrain train --nproc N`: start N local workers through torchrun's elastic agent
-(`torch.distributed.run`), not hand-rolled spawning, each running `python -m dstrain.train`."""
+"""`dstrain train --nproc N` (and `dstrain bench comm --nproc N`): start N local workers through
+torchrun's elastic agent (`torch.distributed.run`), not hand-rolled spawning, each running
+`python -m <module>` (dstrain.train, dstrain.bench)."""
 
 import os
 
@@ -7,9 +8,15 @@ from dstrain.cli.common import console
 
 
 def launch_local(
-    nproc: int, worker_argv: list[str], *, max_restarts: int = 0, shutdown_s: float = 30.0
+    nproc: int,
+    worker_argv: list[str],
+    *,
+    module: str = "dstrain.train",
+    max_restarts: int = 0,
+    shutdown_s: float = 30.0,
 ) -> int:
-    """Run the agent in this process; a failed worker ends the job with its rank and error, or,
+    """Run the agent in this process, each worker running `python -m {module} {worker_argv}`;
+    a failed worker ends the job with its rank and error, or,
     with `max_restarts`, restarts the whole group (which resumes from its newest checkpoint).
     On SIGTERM the agent forwards it to the workers and waits `shutdown_s` for them (they save a
     final checkpoint) before SIGKILL."""
@@ -28,24 +35,21 @@ def launch_local(
             "--max-restarts",
             str(max_restarts),
             "-m",
-            "dstrain.train",
+            module,
             *worker_argv,
         ]
     )
+    command = "dstrain " + module.removeprefix("dstrain.")  # how messages name the command
     try:
         run(args)
     except SignalException as exc:
         # The workers got the signal too and have saved their final checkpoint, or the agent
         # killed them after shutdown_s.
-        console(stderr=True).print(
-            f"dstrain train: stopped by signal {exc.sigval.name}", markup=False
-        )
+        console(stderr=True).print(f"{command}: stopped by signal {exc.sigval.name}", markup=False)
         return 0 if exc.sigval.name == "SIGTERM" else 128 + int(exc.sigval)
     except ChildFailedError as exc:
         err = console(stderr=True)
         for rank, failure in sorted(exc.failures.items()):
-            err.print(
-                f"dstrain train: rank {rank} failed (exit code {failure.exitcode})", markup=False
-            )
+            err.print(f"{command}: rank {rank} failed (exit code {failure.exitcode})", markup=False)
         return 1
     return 0

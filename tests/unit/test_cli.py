@@ -7,7 +7,6 @@ import sys
 import pytest
 
 from dstrain import __version__
-from dstrain.cli.not_built import PENDING
 from tests.conftest import run_cli
 
 
@@ -41,13 +40,6 @@ def test_check_help_documents_exit_codes_and_world_size(cli):
     assert result.code == 0
     for word in ("--world-size", "--nodes", "--gpus-per-node", "--json", "--set", "exit status"):
         assert word in result.out
-
-
-@pytest.mark.parametrize("name", [p[0] for p in PENDING])
-def test_pending_commands_say_not_built_with_exit_2(cli, name):
-    result = cli(name, "--anything", "x")
-    assert result.code == 2
-    assert "not built yet" in result.err
 
 
 def test_check_json_shape(cli, tmp_path):
