@@ -10,7 +10,8 @@ from dstrain.doctor.infiniband import IBPort
 
 CA = re.compile(r"^\s*CA\s+'([^']+)'")
 PORT = re.compile(r"^\s*Port\s+(\d+)\s*:\s*$")
-FIELD = re.compile(r"^\s*(CA type|State|Physical state|Rate|Link layer)\s*:\s*(.*?)\s*$")
+# Any blanks between a field's words: pastes rewrite them.
+FIELD = re.compile(r"^\s*(CA\s+type|State|Physical\s+state|Rate|Link\s+layer)\s*:\s*(.*?)\s*$")
 KEYS = {"State": "state", "Physical state": "physical_state", "Link layer": "link_layer"}
 
 
@@ -32,7 +33,7 @@ def parse_ibstat(text: str) -> list[IBPort]:
             ports += _close(ca, ca_type, port)
             port = {"port": int(match.group(1))}
         elif ca and (match := FIELD.match(line)):
-            key, value = match.group(1), _value(match.group(2))
+            key, value = " ".join(match.group(1).split()), _value(match.group(2))
             if key == "CA type":
                 ca_type = value
             elif port is not None:
@@ -44,6 +45,7 @@ def parse_ibstat(text: str) -> list[IBPort]:
 
 
 def _value(text: str) -> str | None:
+    text = " ".join(text.split())  # `Port Configuration Training`, whatever its blanks
     return None if text in ("", "...") else text
 
 

@@ -17,6 +17,7 @@ from typing import Any
 LINK = re.compile(r"^(X|NV\d+|PIX|PXB|PHB|NODE|SYS|SOC)$")
 LINK_PIECE = re.compile(r"NV\d+|PIX|PXB|PHB|NODE|SYS|SOC|X")
 GPU_NAME = re.compile(r"^GPU\d+$")
+LEGEND_TITLE = re.compile(r"NIC\s+Legend")
 NIC_LEGEND = re.compile(r"\b(NIC\d+)\s*:\s*(?!NIC\d)([A-Za-z0-9_.\-]+)")
 AFFINITY = re.compile(r"^([\d,\-]+|N/A)$")
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -248,7 +249,7 @@ def _assemble(
 
 def _nic_legend(lines: list[str], devices: list[str]) -> dict[str, str]:
     text = "\n".join(lines)
-    start = text.find("NIC Legend")
-    if start < 0:
+    start = LEGEND_TITLE.search(text)  # any blanks between the words: pastes rewrite them
+    if start is None:
         return {}
-    return {nic: name for nic, name in NIC_LEGEND.findall(text[start:]) if nic in devices}
+    return {nic: name for nic, name in NIC_LEGEND.findall(text[start.end() :]) if nic in devices}

@@ -125,5 +125,6 @@ def test_two_agents_train_the_same_as_one_node(tmp_path):
     two, one = _losses(run_dir), _losses(tmp_path / "runs" / "one-node")
     assert len(two) == len(one) == STEPS
     print(f"two-node losses {two}\none-node losses {one}\ntwo-node launch {two_node_s:.1f} s")
-    assert two == pytest.approx(one, rel=1e-6, abs=1e-6)
-    assert two_node_s < 90, f"the two-node launch took {two_node_s:.0f} s"
+    # Same layout, same rank count: the two-node run must be the same computation, bit for bit
+    # (with 2 ranks every reduction is a commutative a + b).
+    assert two == one
