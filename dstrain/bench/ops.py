@@ -23,6 +23,7 @@ differ from the expected result.
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -119,7 +120,7 @@ def _all_reduce(inp, out, group, n, g, count) -> Prepared:
 
 
 def _all_gather(inp, out, group, n, g, count) -> Prepared:
-    call = partial(dist.all_gather_single, out, inp, group=group)
+    call = partial(dist.all_gather_into_tensor, out, inp, group=group)
 
     def check() -> int:
         inp.copy_(pattern(g, count, inp.device))
@@ -131,7 +132,7 @@ def _all_gather(inp, out, group, n, g, count) -> Prepared:
 
 
 def _reduce_scatter(inp, out, group, n, g, count) -> Prepared:
-    call = partial(dist.reduce_scatter_single, out, inp, group=group)
+    call = partial(dist.reduce_scatter_tensor, out, inp, group=group)
 
     def check() -> int:
         inp.copy_(pattern(g, count * n, inp.device))
@@ -155,7 +156,7 @@ def _all_to_all(inp, out, group, n, g, count) -> Prepared:
 
 
 def _broadcast(inp, out, group, n, g, count) -> Prepared:
-    call = partial(dist.broadcast, inp, group=group, group_src=ROOTS["broadcast"])
+    call = partial(dist.broadcast, inp, src=_global(group, ROOTS["broadcast"]), group=group)
 
     def check() -> int:
         inp.copy_(pattern(0, count, inp.device) if g == 0 else torch.full_like(inp, -1.0))
@@ -169,8 +170,8 @@ def _send_recv(inp, out, group, n, g, count) -> Prepared:
     # One batch of isend + irecv: NCCL needs the pair grouped, or two ranks that both send first
     # deadlock; gloo runs them as two independent requests.
     p2p = [
-        dist.P2POp(dist.isend, inp, group=group, group_peer=(g + 1) % n),
-        dist.P2POp(dist.irecv, out, group=group, group_peer=(g - 1) % n),
+        dist.P2POp(dist.isend, inp, _global(group, (g + 1) % n), group=group),
+        dist.P2POp(dist.irecv, out, _global(group, (g - 1) % n), group=group),
     ]
 
     def call() -> None:
@@ -184,6 +185,12 @@ def _send_recv(inp, out, group, n, g, count) -> Prepared:
         return count_wrong(out, pattern((g - 1) % n, count, inp.device))
 
     return Prepared(call, check)
+
+
+def _global(group: Any, group_rank: int) -> int:
+    """The global rank of a group member: `src=`/`peer=` take global ranks on every torch we
+    support, where the group-rank keywords (group_src, group_peer) are newer."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
 _BUILDERS = {
