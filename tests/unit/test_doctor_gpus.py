@@ -1,9 +1,11 @@
 """Versions and GPUs: the verdicts for each kind of machine, and a fake `nvidia-smi` on PATH
 standing in for a GPU node (GPU list, driver and `topo -m`)."""
 
+import importlib.machinery
 import os
 import stat
 import sys
+import types
 
 import pytest
 
@@ -87,3 +89,47 @@ def test_gpus_and_topology_from_nvidia_smi(fake_smi, tmp_path):
     checks = _by_name(report.checks)
     assert checks["gpus"].status == "ok" and "8 x NVIDIA H100" in checks["gpus"].detail
     assert checks["tp=8"].status == "ok"
+
+
+def _fake_pynvml(names: list[str], fail_at: int | None = None) -> types.ModuleType:
+    """nvidia-ml-py's API as doctor calls it; `fail_at`: the GPU index whose query errors."""
+    nvml = types.ModuleType("pynvml")
+    nvml.__spec__ = importlib.machinery.ModuleSpec("pynvml", None)
+    nvml.NVMLError = type("NVMLError", (Exception,), {})
+    nvml.calls = []
+
+    def handle(index: int) -> int:
+        if index == fail_at:
+            raise nvml.NVMLError("GPU is lost")
+        return index
+
+    nvml.nvmlInit = lambda: nvml.calls.append("init")
+    nvml.nvmlShutdown = lambda: nvml.calls.append("shutdown")
+    nvml.nvmlSystemGetDriverVersion = lambda: b"570.86.15"  # older bindings return bytes
+    nvml.nvmlDeviceGetCount = lambda: len(names)
+    nvml.nvmlDeviceGetHandleByIndex = handle
+    nvml.nvmlDeviceGetName = lambda h: names[h]
+    nvml.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(total=80 * 1024**3)
+    return nvml
+
+
+def test_gpus_through_nvml_when_nvidia_ml_py_is_installed(monkeypatch):
+    nvml = _fake_pynvml(["NVIDIA H200", "NVIDIA H200"])
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setattr(gpus, "_torch_facts", lambda found: None)
+    found = gpus.probe()
+    assert found.gpu_source == "nvml" and found.driver == "570.86.15"
+    assert found.gpus == [GPU(0, "NVIDIA H200", 80.0), GPU(1, "NVIDIA H200", 80.0)]
+    (check,) = gpu_checks(found)
+    assert check.status == "ok" and "2 x NVIDIA H200" in check.detail
+    assert nvml.calls == ["init", "shutdown"]
+
+
+def test_a_gpu_lost_mid_query_falls_back_and_nvml_is_shut_down(monkeypatch):
+    nvml = _fake_pynvml(["NVIDIA H200", "NVIDIA H200"], fail_at=1)
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setattr(gpus, "_torch_facts", lambda found: None)
+    monkeypatch.setattr(gpus, "_smi", lambda: None)
+    found = gpus.probe()
+    assert found.gpu_source == "none" and not found.gpus
+    assert nvml.calls == ["init", "shutdown"]
