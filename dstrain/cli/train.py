@@ -18,7 +18,8 @@ A run directory that already holds a checkpoint resumes from it (checkpoint.resu
 directory that already holds checkpoints, rather than mixing two runs in it).
 
 Several processes: --nproc N starts N local workers through torchrun's elastic agent; on a
-cluster run `torchrun --nnodes ... -m dstrain.train CONFIG [--set ...]` on every node instead.
+cluster run `torchrun --nnodes ... -m dstrain.train CONFIG [--set ...]` on every node instead
+(`dstrain deploy slurm|k8s|bare CONFIG -o DIR` writes that launch for you).
 The layout comes from the parallel section; the world size from the launcher.
 
 Faults: --max-restarts K restarts the group when a worker dies, resuming from the newest valid
