@@ -107,8 +107,9 @@ def _k8s_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--pvc",
         metavar="NAME",
-        help="PersistentVolumeClaim for the run directory (default: an emptyDir, so "
-        "checkpoints die with the pod)",
+        help="PersistentVolumeClaim for the run directory, ReadWriteMany when nodes > 1 (every "
+        "rank writes its checkpoint shards there); default: an emptyDir, so checkpoints die "
+        "with the pod",
     )
     group.add_argument("--shm-size", default="64Gi", help="/dev/shm size (default %(default)s)")
     group.add_argument(
@@ -145,8 +146,14 @@ def run(args: argparse.Namespace) -> int:
     spec, warnings = built.spec, built.warnings
     if args.target == "k8s" and not spec.pvc:
         warnings.append(
-            "no --pvc: the run directory is an emptyDir, so checkpoints die with the pod "
-            "(restarts start over)"
+            "no --pvc: the run directory is an emptyDir on each pod, so checkpoints die with "
+            "the pod"
+            + (
+                " and no pod holds a whole one (every rank writes its own shards), so no "
+                "restart can resume: give a ReadWriteMany claim"
+                if spec.nodes > 1
+                else " (restarts start over)"
+            )
         )
     files = render(args.target, spec)
     written = write_files(args.output, files, EXECUTABLE, args.force)

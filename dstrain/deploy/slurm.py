@@ -17,6 +17,8 @@ def render_launch_sh(spec: DeploySpec) -> str:
 # Every variable below can be set in the environment; the values here come from the config.
 # Restarts: torchrun restarts the whole worker group up to MAX_RESTARTS times when a worker
 # dies; the workers resume from the newest checkpoint. A lost node ends the job.
+# Every node must see the same run directory (run.root: {spec.run_root}) and DIR: each rank
+# writes its own checkpoint shards there.
 set -euo pipefail
 HERE="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
 {env_defaults(defaults)}
@@ -44,6 +46,8 @@ def render_sbatch(spec: DeploySpec) -> str:
 # Restarts: torchrun restarts the worker group up to MAX_RESTARTS times in place (the workers
 # resume from the newest checkpoint); --kill-on-bad-exit ends the whole step when an agent
 # gives up, and Slurm itself does not requeue (add --requeue for that).
+# run.root ({spec.run_root}) and this folder must be on a filesystem every node mounts: each
+# rank writes its own checkpoint shards there.
 set -euo pipefail
 DEPLOY_DIR="${{DEPLOY_DIR:-$SLURM_SUBMIT_DIR}}"
 export NNODES="$SLURM_JOB_NUM_NODES"

@@ -22,7 +22,7 @@ NOFILE_FLOOR = 65536
 DISK_WARN = 100 * GIB  # one DeepSeek-V3 checkpoint with optimizer state is several TB in total
 DISK_FAIL = 1 * GIB
 READ_WARN_MBPS = 200.0
-WRITE_BUDGET_S = 1.5  # below this a multi-GPU node's dataloader stalls on shard reads
+WRITE_BUDGET_S = 1.5  # writing the test file stops after this, so a slow filesystem stays quick
 
 
 def shm_check(path: Path = Path("/dev/shm"), num_workers: int = 0) -> Check:

@@ -1,9 +1,6 @@
 """`dstrain bench comm` as a user runs it: --nproc starts the workers through torchrun's elastic
 agent, the CLI prints the workers' report (a table, or only JSON with --json) and its exit code
-says pass or fail.
-
-Until `bench` is wired into `dstrain.cli.COMMANDS` these run `python -m dstrain.bench`, which
-takes the same arguments (it is the workers' entry point and, outside torchrun, the launcher)."""
+says pass or fail."""
 
 import json
 import os
@@ -12,12 +9,11 @@ import sys
 
 import pytest
 
-from dstrain.cli import COMMANDS, bench
 from tests.distributed.harness import REPO
 
 pytestmark = pytest.mark.slow
 
-COMMAND = ["-m", "dstrain", "bench"] if bench in COMMANDS else ["-m", "dstrain.bench"]
+COMMAND = ["-m", "dstrain", "bench"]
 QUICK = ["--sizes", "1K:16K", "--step-factor", "4", "--iters", "2", "--warmup", "1"]
 
 

@@ -4,6 +4,8 @@
 # Every variable below can be set in the environment; the values here come from the config.
 # Restarts: torchrun restarts the whole worker group up to MAX_RESTARTS times when a worker
 # dies; the workers resume from the newest checkpoint. A lost node ends the job.
+# Every node must see the same run directory (run.root: runs) and DIR: each rank
+# writes its own checkpoint shards there.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 : "${NNODES:=2}"
