@@ -23,7 +23,7 @@ short sequential-read test of --data-dir. Without GPUs it says so and checks the
 --topology-from FILE / --ib-from FILE diagnose a saved `nvidia-smi topo -m` / `ibstat` output
 from a machine you cannot log into; only the files are checked, unless --all adds this machine.
 With a layout (--config, --set parallel.tp=N, or --tp/--ep) doctor warns when a TP group of
-consecutive GPUs (tp innermost, then ep within the node) spans a pair without NVLink.
+consecutive GPUs (tp, or ep, as the trainer's mesh lays them out) spans a pair without NVLink.
 
 --json prints {"checks": [...], "topology": {"devices", "matrix": {"GPU0": {"GPU1": "NV12"}},
 "affinity", "nic_legend"}, "infiniband": [...], "summary": {...}}. docs/doctor.md lists every

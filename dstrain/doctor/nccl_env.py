@@ -188,16 +188,25 @@ def list_interfaces(net_root: Path = NET_SYSFS) -> list[str] | None:
         return None
 
 
-def match_ifname(spec: str, interfaces: list[str]) -> list[str]:
-    """The interfaces NCCL would use for NCCL_SOCKET_IFNAME=`spec`: a comma list of prefixes,
-    `^` in front excludes the list, `=` in front of an entry means the exact name."""
+def parse_ifname(spec: str) -> tuple[bool, bool, list[str]]:
+    """(exclude, exact, entries) of an NCCL interface list. As NCCL reads it, the prefixes apply
+    to the whole list: `^` first excludes it, then `=` makes every entry an exact name
+    (`^=docker0,lo` excludes exactly docker0 and lo); otherwise entries are name prefixes."""
     exclude = spec.startswith("^")
-    entries = [e.strip() for e in spec.removeprefix("^").split(",") if e.strip()]
+    rest = spec.removeprefix("^")
+    exact = rest.startswith("=")
+    entries = [e.strip() for e in rest.removeprefix("=").split(",") if e.strip()]
+    return exclude, exact, entries
 
-    def hit(name: str) -> bool:
-        return any(name == e[1:] if e.startswith("=") else name.startswith(e) for e in entries)
 
-    return [i for i in interfaces if hit(i) != exclude]
+def _hit(name: str, entries: list[str], exact: bool) -> bool:
+    return any(name == e if exact else name.startswith(e) for e in entries)
+
+
+def match_ifname(spec: str, interfaces: list[str]) -> list[str]:
+    """The interfaces NCCL would use for NCCL_SOCKET_IFNAME=`spec`."""
+    exclude, exact, entries = parse_ifname(spec)
+    return [i for i in interfaces if _hit(i, entries, exact) != exclude]
 
 
 def socket_ifname_check(spec: str, interfaces: list[str] | None) -> Check:
@@ -219,7 +228,8 @@ def socket_ifname_check(spec: str, interfaces: list[str] | None) -> Check:
         )
     if spec.startswith("^"):
         return ok(SECTION, name, f"{name}={spec} leaves {', '.join(chosen)}")
-    dead = [e for e in spec.split(",") if e.strip() and not match_ifname(e.strip(), interfaces)]
+    _, exact, entries = parse_ifname(spec)
+    dead = [e for e in entries if not any(_hit(i, [e], exact) for i in interfaces)]
     if dead:
         return warn(
             SECTION,

@@ -1,8 +1,9 @@
 """What a parsed topology means for a training layout: NVLink per pair, GPU -> NUMA node, TP/EP
 groups that span PCIe-only pairs, and NICs far from their GPUs.
 
-Rank order within a node follows the trainer's mesh: tp is the innermost axis (GPUs 0..tp-1 form
-the first TP group), ep next (an EP group takes one GPU from each of ep consecutive TP groups)."""
+Rank order within a node follows the trainer's mesh (parallel/mesh.py): tp is the innermost
+axis, so GPUs 0..tp-1 form the first TP group; the expert view folds ep innermost too, so an EP
+group is ep consecutive GPUs (0..ep-1 first), holding whole TP groups when ep >= tp."""
 
 from collections import Counter
 from itertools import combinations
@@ -75,25 +76,20 @@ def tp_checks(topo: Topology, tp: int, ep: int) -> list[Check]:
                 f"keep tp <= {len(gpus)} (one node) and scale with dp/pp/ep",
             )
         )
-    size = min(tp, len(gpus))
-    tp_groups = [gpus[i : i + size] for i in range(0, len(gpus) - size + 1, size)]
-    checks.append(_group_check(topo, f"tp={tp}", "TP", tp_groups, tp))
-    if ep > 1 and tp * ep <= len(gpus):
-        block = tp * ep
-        ep_groups = [
-            [gpus[start + t + j * tp] for j in range(ep)]
-            for start in range(0, len(gpus) - block + 1, block)
-            for t in range(tp)
-        ]
-        checks.append(_group_check(topo, f"ep={ep}", "EP", ep_groups, tp))
+    tp_groups = _consecutive(gpus, min(tp, len(gpus)))
+    checks.append(_group_check(topo, f"tp={tp}", "TP", tp_groups))
+    if ep > len(gpus):
+        checks.append(ok(SECTION, f"ep={ep}", f"ep={ep} spans nodes: EP all-to-all uses the NICs"))
     elif ep > 1:
-        checks.append(
-            ok(SECTION, f"ep={ep}", f"tp x ep = {tp * ep} spans nodes: EP all-to-all uses the NICs")
-        )
+        checks.append(_group_check(topo, f"ep={ep}", "EP", _consecutive(gpus, ep)))
     return checks
 
 
-def _group_check(topo: Topology, name: str, axis: str, groups: list[list[str]], tp: int) -> Check:
+def _consecutive(gpus: list[str], size: int) -> list[list[str]]:
+    return [gpus[i : i + size] for i in range(0, len(gpus) - size + 1, size)]
+
+
+def _group_check(topo: Topology, name: str, axis: str, groups: list[list[str]]) -> Check:
     bad = [
         (a, b, topo.link(a, b) or "?")
         for group in groups
@@ -105,11 +101,13 @@ def _group_check(topo: Topology, name: str, axis: str, groups: list[list[str]], 
         return ok(SECTION, name, f"every {axis} group ({shown}) is fully NVLinked")
     listed = ", ".join(f"{a}-{b} ({link})" for a, b, link in bad[:MAX_LISTED])
     more = f" and {len(bad) - MAX_LISTED} more" if len(bad) > MAX_LISTED else ""
+    largest = largest_nvlinked_group(topo)
     fix = (
-        f"use tp <= {largest_nvlinked_tp(topo)} (the largest TP whose groups are all NVLinked "
-        "here) or a node type with NVSwitch (every pair NV#)"
+        f"use tp <= {largest} (the largest TP whose groups are all NVLinked here) or a node "
+        "type with NVSwitch (every pair NV#)"
         if axis == "TP"
-        else f"keep ep x tp <= the NVLinked group size, or put ep across nodes (tp={tp})"
+        else f"use ep <= {largest} (the largest group of consecutive GPUs all NVLinked here), "
+        "or an ep larger than the node so its all-to-all runs over the NICs"
     )
     return warn(
         SECTION,
@@ -120,8 +118,9 @@ def _group_check(topo: Topology, name: str, axis: str, groups: list[list[str]], 
     )
 
 
-def largest_nvlinked_tp(topo: Topology) -> int:
-    """The largest tp dividing the GPU count whose consecutive groups are all NVLinked."""
+def largest_nvlinked_group(topo: Topology) -> int:
+    """The largest group size dividing the GPU count whose consecutive groups are all
+    NVLinked: the largest tp (or node-local ep) that stays on NVLink."""
     gpus = topo.gpus
     for size in range(len(gpus), 1, -1):
         if len(gpus) % size:
@@ -144,14 +143,14 @@ def nic_checks(topo: Topology) -> list[Check]:
             f"{topo.link(n, _nearest(topo, n, topo.gpus)[0])})"
             for n in far
         )
-        names = ",".join(f"={topo.nic_legend.get(n, n)}" for n in far)
+        names = ",".join(topo.nic_legend.get(n, n) for n in far)  # `^=` covers the list
         checks.append(
             warn(
                 SECTION,
                 "far NICs",
                 f"far from every GPU: {listed}",
                 f"if NCCL may pick it, GPUDirect RDMA crosses the CPU: exclude it with "
-                f"NCCL_IB_HCA=^{names} (fine for storage/management NICs), or move the card "
+                f"NCCL_IB_HCA=^={names} (fine for storage/management NICs), or move the card "
                 "under a GPU's PCIe switch",
             )
         )

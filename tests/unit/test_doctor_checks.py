@@ -8,7 +8,7 @@ import pytest
 from dstrain.doctor import system
 from dstrain.doctor.nccl_env import lint_nccl_env, match_ifname, socket_ifname_check
 from dstrain.doctor.topology import parse_topology
-from dstrain.doctor.topology_checks import largest_nvlinked_tp, topology_checks
+from dstrain.doctor.topology_checks import largest_nvlinked_group, topology_checks
 from tests.conftest import REPO, SHARED
 
 TOPO = REPO / "tests" / "fixtures" / "doctor" / "topo"
@@ -43,12 +43,15 @@ def test_dgx1_gpus_without_a_near_nic_are_named(shared):
     assert "GPU2" not in nic.detail and "GPU3" not in nic.detail  # PIX to mlx5_0
 
 
-def test_ep_groups_take_one_gpu_from_each_tp_group(shared):
-    checks = _checks(DGX1, tp=2, ep=4)
-    assert checks["tp=2"].status == "ok"  # GPU0-1, 2-3, 4-5, 6-7 are all NV-linked
-    ep = checks["ep=4"]
-    # EP groups: {0,2,4,6} and {1,3,5,7}; GPU0-GPU6 is SYS on a DGX-1.
-    assert ep.status == "warn" and "GPU0-GPU6 (SYS)" in ep.detail
+def test_ep_groups_are_consecutive_gpus_as_in_the_trainers_mesh(shared):
+    # parallel/mesh.py folds ep innermost: EP groups are {0..3} and {4..7} for ep=4.
+    fine = _checks(DGX1, tp=2, ep=4)
+    assert fine["tp=2"].status == "ok"  # GPU0-1, 2-3, 4-5, 6-7 are all NV-linked
+    assert fine["ep=4"].status == "ok" and "GPU0-GPU3" in fine["ep=4"].detail
+    ep = _checks(DGX1, tp=2, ep=8)["ep=8"]
+    # One group of all 8: GPU0-GPU5 is SYS on a DGX-1's hybrid cube mesh.
+    assert ep.status == "warn" and "GPU0-GPU5 (SYS)" in ep.detail
+    assert "use ep <= 4" in ep.fix
 
 
 def test_a100_storage_nics_are_far_and_tp8_is_fine():
@@ -57,7 +60,7 @@ def test_a100_storage_nics_are_far_and_tp8_is_fine():
     far = checks["far NICs"]
     assert "mlx5_8 (NIC8)" in far.detail and "mlx5_9 (NIC9)" in far.detail
     assert "NIC7" not in far.detail
-    assert "NCCL_IB_HCA=^=mlx5_8,=mlx5_9" in far.fix
+    assert "NCCL_IB_HCA=^=mlx5_8,mlx5_9" in far.fix
     assert "GPU-NIC" not in checks  # every GPU has a PXB NIC
 
 
@@ -66,12 +69,14 @@ def test_h100_is_clean():
     assert {c.status for c in checks.values()} == {"ok"}
     assert "GPU0->mlx5_0 (NIC0)" in checks["GPU-NIC"].detail
     assert "NUMA 0: GPU0, GPU1, GPU2, GPU3; NUMA 1: GPU4, GPU5, GPU6, GPU7" in checks["numa"].detail
-    assert "spans nodes" in checks["ep=8"].detail
+    assert "GPU0-GPU7) is fully NVLinked" in checks["ep=8"].detail  # ep 8 = the node
+    wide = _checks(TOPO / "02_dgx_h100_nv18_8nic_sglang_env.txt", tp=8, ep=16)
+    assert "spans nodes" in wide["ep=16"].detail
 
 
 def test_pcie_box_tp2_warns_and_suggests_tp1():
     topo = parse_topology((TOPO / "03_rtx4090_8gpu_2nic_pcie_tabs.txt").read_text())
-    assert largest_nvlinked_tp(topo) == 1
+    assert largest_nvlinked_group(topo) == 1
     checks = {c.name: c for c in topology_checks(topo, tp=2)}
     assert "GPU0-GPU1 (SYS)" in checks["tp=2"].detail and "tp <= 1" in checks["tp=2"].fix
     lonely = checks["GPU-NIC"].detail
@@ -137,6 +142,10 @@ def test_ib_disable_on_an_ib_host(net):
         ("^docker,lo", ["eth0", "ib0"]),
         ("^=docker0", ["eth0", "ib0", "lo"]),
         ("ib,eth", ["eth0", "ib0"]),
+        # The `=` (and `^`) apply to the whole list, as NCCL reads it.
+        ("=eth0,ib0", ["eth0", "ib0"]),
+        ("^=docker0,lo", ["eth0", "ib0"]),
+        ("=eth0,ib", ["eth0"]),
     ],
 )
 def test_socket_ifname_follows_nccl_syntax(spec, chosen):
@@ -151,6 +160,8 @@ def test_socket_ifname_verdicts(net):
     assert partly.status == "warn" and "bond match no interface" in partly.detail
     assert socket_ifname_check("^eth,ib,lo,docker", interfaces).status == "fail"
     assert socket_ifname_check("=ib0", interfaces).status == "ok"
+    exact = socket_ifname_check("=eth0,bond0", interfaces)  # `=` covers bond0 too
+    assert exact.status == "warn" and "bond0 match no interface" in exact.detail
     assert socket_ifname_check("eth0", None).status == "ok"  # cannot list: not checked
     assert _lint({"NCCL_SOCKET_IFNAME": "enp1s0"}, net)["NCCL_SOCKET_IFNAME"].status == "fail"
 
