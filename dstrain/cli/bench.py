@@ -13,7 +13,14 @@ from typing import Any
 
 from dstrain.bench.sizes import parse_sizes
 from dstrain.bench.spec import AXES, DTYPES, OP_NAMES, CommSpec, check_axis, parse_ops
-from dstrain.cli.common import add_json_flag, console, non_negative_int, positive_int, run_guarded
+from dstrain.cli.common import (
+    add_json_flag,
+    add_set_arg,
+    console,
+    non_negative_int,
+    positive_int,
+    run_guarded,
+)
 from dstrain.config.load import LoadedConfig, load_config
 from dstrain.config.parallel_dims import ParallelDims
 from dstrain.config.validate import raise_if_errors
@@ -114,14 +121,7 @@ def _add_comm_args(parser: argparse.ArgumentParser) -> None:
         "--config/--set (dp = dp_replicate x dp_shard); default: the whole world",
     )
     add("--config", type=Path, metavar="C", help="config whose parallel section gives the layout")
-    add(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a config key, e.g. --set parallel.tp=2 (repeatable)",
-    )
+    add_set_arg(parser)
     add(
         "--straggler-ratio",
         type=_ratio,

@@ -11,7 +11,7 @@ from typing import Any
 from dstrain.checkpoint.catalog import KINDS, checkpoints, latest_valid, locate, step_of
 from dstrain.checkpoint.manifest import Verdict, read_meta, verify
 from dstrain.checkpoint.resume import ResumeDiff, compare
-from dstrain.cli.common import add_json_flag, console, positive_int, print_json
+from dstrain.cli.common import add_json_flag, add_set_arg, console, positive_int, print_json
 from dstrain.config.load import load_config
 from dstrain.config.schema import DstrainConfig
 from dstrain.config.validate import raise_if_errors
@@ -88,14 +88,7 @@ def _register_diff(actions: argparse._SubParsersAction) -> None:
     diff.add_argument(
         "--config", type=Path, required=True, metavar="NEW.toml", help="the config to resume with"
     )
-    diff.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one key of the new config, e.g. --set parallel.tp=2 (repeatable)",
-    )
+    add_set_arg(diff, "override one key of the new config, e.g. --set parallel.tp=2 (repeatable)")
     diff.add_argument("--world-size", type=positive_int, metavar="N", help="ranks of the new run")
     add_json_flag(diff)
     diff.set_defaults(func=_diff)

@@ -27,14 +27,25 @@ def add_config_args(parser: argparse.ArgumentParser, required: bool = False) -> 
         help="config file: dstrain TOML/YAML/JSON, or a DeepSpeed JSON (Megatron keys allowed)"
         + ("" if required else "; omitted = the built-in defaults"),
     )
+    add_set_arg(
+        parser,
+        "override one config key, e.g. --set parallel.tp=2 (repeatable; beats the file, which "
+        "beats the defaults)",
+    )
+
+
+def add_set_arg(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    help_text: str = "override a config key, e.g. --set parallel.tp=2 (repeatable)",
+) -> None:
+    """The repeatable `--set SECTION.KEY=VALUE` override, collected in `args.overrides`."""
     parser.add_argument(
         "--set",
         dest="overrides",
         action="append",
         default=[],
         metavar="SECTION.KEY=VALUE",
-        help="override one config key, e.g. --set parallel.tp=2 (repeatable; beats the file, "
-        "which beats the defaults)",
+        help=help_text,
     )
 
 

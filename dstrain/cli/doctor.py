@@ -8,7 +8,14 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.text import Text
 
-from dstrain.cli.common import add_json_flag, console, non_negative_int, positive_int, print_json
+from dstrain.cli.common import (
+    add_json_flag,
+    add_set_arg,
+    console,
+    non_negative_int,
+    positive_int,
+    print_json,
+)
 
 if TYPE_CHECKING:
     from dstrain.doctor.run import Report
@@ -51,14 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     layout = parser.add_argument_group("layout (for the TP/EP topology checks)")
     layout.add_argument("--config", type=Path, metavar="CONFIG", help="a dstrain/DeepSpeed config")
-    layout.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a config key, e.g. --set parallel.tp=4 (repeatable)",
-    )
+    add_set_arg(layout, "override a config key, e.g. --set parallel.tp=4 (repeatable)")
     layout.add_argument(
         "--tp", type=positive_int, metavar="N", help="beats the config's parallel.tp"
     )
