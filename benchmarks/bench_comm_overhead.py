@@ -18,15 +18,11 @@ Usage: python benchmarks/bench_comm_overhead.py [--rounds R] [--sizes 1K:64M] [-
 import argparse
 import json
 import math
-import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from launch_workers import REPO, torchrun_workers
 
 
 def main() -> None:
@@ -44,24 +40,8 @@ def main() -> None:
             "sizes": args.sizes,
             "factor": args.step_factor,
         }
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(_free_port()),
-            str(REPO / "benchmarks" / "bench_comm_overhead_worker.py"),
-            str(out),
-            json.dumps(spec),
-        ]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-        done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO)
-        if done.returncode != 0:
-            raise SystemExit(f"the workers failed:\n{done.stderr[-3000:]}")
+        worker = REPO / "benchmarks" / "bench_comm_overhead_worker.py"
+        torchrun_workers(2, worker, str(out), json.dumps(spec))
         seconds = json.loads(out.read_text())
     accounting = seconds.pop("accounting")
     print(f"2 gloo ranks; rounds: {args.rounds} below 16M, {args.big_rounds} above")
@@ -107,12 +87,6 @@ def _paired(values: list[float], reference: list[float]) -> float:
 
 def _geomean(values: list[float]) -> float:
     return math.exp(statistics.fmean(math.log(v) for v in values))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -15,15 +15,11 @@ Usage: python benchmarks/metrics_overhead.py [--rounds R] [--block B]
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from launch_workers import REPO, torchrun_workers
 
 LAYOUTS = {
     "1 rank": (1, []),
@@ -51,24 +47,11 @@ def run_layout(root: Path, nproc: int, overrides: list[str], args) -> dict[str, 
         "warmup": 5,
     }
     out = root / f"result-{nproc}.json"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(_free_port()),
-        str(REPO / "benchmarks" / "metrics_overhead_worker.py"),
-        str(out),
-        json.dumps(spec),
-    ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(max(1, 2 // nproc))}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO)
-    if done.returncode != 0:
-        raise SystemExit(f"{nproc} ranks failed:\n{done.stderr[-3000:]}")
+    worker = REPO / "benchmarks" / "metrics_overhead_worker.py"
+    threads = max(1, 2 // nproc)
+    torchrun_workers(
+        nproc, worker, str(out), json.dumps(spec), threads=threads, what=f"{nproc} ranks"
+    )
     return json.loads(out.read_text())
 
 
@@ -103,12 +86,6 @@ def _print_accounting(a: dict, log_line: float, step: float, block: int) -> None
         f"(processor + all-gather + JSONL + TensorBoard) {1e3 * log_line:.1f} ms = "
         f"{100 * log_line / (block * step):.2f}% of a {block}-step interval"
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

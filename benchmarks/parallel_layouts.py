@@ -49,7 +49,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -59,12 +58,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from launch_workers import REPO, free_port
+
 from dstrain.config.flavors import resolve_model_args
 from dstrain.config.load import load_config
 from dstrain.config.parallel_dims import ParallelDims
 from dstrain.data.build import build_dataset
 
-REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("parallel_layouts_worker.py")
 TOLERANCE = 0.10
 HALF_TOLERANCE = 0.01
@@ -123,7 +123,7 @@ def launch(layout: Layout, common: list[str], spec: dict, out_dir: Path, threads
     spec = {**spec, "overrides": [*common, f"run.name={out_dir.name}", *layout.overrides]}
     args = [str(WORKER), str(out_dir), json.dumps(spec)]
     if layout.ranks > 1:
-        rdzv = ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+        rdzv = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
         args = ["-m", "torch.distributed.run", "--nproc-per-node", str(layout.ranks), *rdzv, *args]
     env = {
         **os.environ,
@@ -137,12 +137,6 @@ def launch(layout: Layout, common: list[str], spec: dict, out_dir: Path, threads
     if done.returncode != 0:
         raise RuntimeError(f"{layout.name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(layout.ranks)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dims_of(layout: Layout, common: list[str]) -> tuple[ParallelDims, int]:

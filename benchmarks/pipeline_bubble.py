@@ -25,45 +25,21 @@ Usage: python benchmarks/pipeline_bubble.py [--pp 2,4] [--micro B] [--steps N] [
 
 import argparse
 import json
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from launch_workers import REPO, torchrun_workers
+
 sys.path.insert(0, str(REPO))
 
 from dstrain.parallel.pipeline_sim import schedule_actions, simulate  # noqa: E402
 from dstrain.planner.bubble import SCHEDULES, Costs, theoretical_bubble  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(pp: int, spec: dict, out: Path) -> list[dict]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(pp),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        str(REPO / "benchmarks" / "pipeline_bubble_worker.py"),
-        str(out),
-        json.dumps(spec),
-    ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if done.returncode:
-        sys.exit(f"pp{pp} launch failed:\n{done.stderr[-4000:]}")
+    worker = REPO / "benchmarks" / "pipeline_bubble_worker.py"
+    torchrun_workers(pp, worker, str(out), json.dumps(spec), what=f"pp{pp} launch")
     return json.loads(out.read_text())
 
 
