@@ -9,7 +9,6 @@ about 5 s after start (Prometheus hands new targets to its scrapers on a 5 s tic
 
 import contextlib
 import json
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -17,6 +16,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from tests.distributed.harness import free_port
 from tests.tools import require_tool
 
 SCRAPE_INTERVAL_S = 1
@@ -32,7 +32,7 @@ def prometheus_server(targets: list[str], tmp_path: Path) -> Iterator[str]:
     config = folder / "prometheus.yml"
     config.write_text(_config(targets))
     for _ in range(3):  # the free port may be taken before Prometheus binds it
-        port = _free_port()
+        port = free_port()
         process = _start(binary, config, folder, port)
         base_url = f"http://127.0.0.1:{port}"
         try:
@@ -125,12 +125,6 @@ def _stop(process: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _targets(base_url: str) -> list[dict]:

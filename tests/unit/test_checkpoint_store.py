@@ -5,7 +5,6 @@ checkpoint to resume from, pruning, async saves, and failed saves that publish n
 import errno
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from dstrain.checkpoint import manifest, store
 from dstrain.errors import UserError
+from tests.distributed.harness import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # Single-process DCP warns that it assumes a single process; the store filters it, pytest resets.
@@ -239,12 +239,6 @@ def test_a_bug_is_not_disguised_as_a_save_error(tmp_path):
         _writer(tmp_path).save(1, _state(1.0), {}, kind="weights")  # type: ignore[arg-type]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_ranks_publish_async_saves_and_share_failures(tmp_path):
     """One torchrun launch (~6 s): async saves published by rank 0 while training collectives
@@ -258,7 +252,7 @@ def test_two_ranks_publish_async_saves_and_share_failures(tmp_path):
         "--master-addr",
         "127.0.0.1",
         "--master-port",
-        str(_free_port()),
+        str(free_port()),
         str(REPO / "tests" / "unit" / "ckpt_ranks_worker.py"),
         str(tmp_path),
     ]
