@@ -136,11 +136,13 @@ def nic_checks(topo: Topology) -> list[Check]:
     if not topo.nics or not topo.gpus:
         return []
     checks = []
-    far = [nic for nic in topo.nics if _nearest(topo, nic, topo.gpus)[1] >= FAR]
+    # Each device's nearest counterpart, found once: (name, PCIe rank).
+    gpu_of = {nic: _nearest(topo, nic, topo.gpus) for nic in topo.nics}
+    nic_of = {gpu: _nearest(topo, gpu, topo.nics) for gpu in topo.gpus}
+    far = [nic for nic in topo.nics if gpu_of[nic][1] >= FAR]
     if far:
         listed = ", ".join(
-            f"{topo.nic_name(n)} (nearest {_nearest(topo, n, topo.gpus)[0]} at "
-            f"{topo.link(n, _nearest(topo, n, topo.gpus)[0])})"
+            f"{topo.nic_name(n)} (nearest {gpu_of[n][0]} at {topo.link(n, gpu_of[n][0])})"
             for n in far
         )
         names = ",".join(topo.nic_legend.get(n, n) for n in far)  # `^=` covers the list
@@ -154,11 +156,10 @@ def nic_checks(topo: Topology) -> list[Check]:
                 "under a GPU's PCIe switch",
             )
         )
-    lonely = [g for g in topo.gpus if _nearest(topo, g, topo.nics)[1] > NEAR]
+    lonely = [g for g in topo.gpus if nic_of[g][1] > NEAR]
     if lonely:
         detail = ", ".join(
-            f"{g} (nearest {topo.nic_name(_nearest(topo, g, topo.nics)[0])} at "
-            f"{topo.link(g, _nearest(topo, g, topo.nics)[0])})"
+            f"{g} (nearest {topo.nic_name(nic_of[g][0])} at {topo.link(g, nic_of[g][0])})"
             for g in lonely[:MAX_LISTED]
         )
         more = f" and {len(lonely) - MAX_LISTED} more" if len(lonely) > MAX_LISTED else ""
@@ -173,9 +174,7 @@ def nic_checks(topo: Topology) -> list[Check]:
             )
         )
     if not checks:
-        pairs = ", ".join(
-            f"{g}->{topo.nic_name(_nearest(topo, g, topo.nics)[0])}" for g in topo.gpus[:4]
-        )
+        pairs = ", ".join(f"{g}->{topo.nic_name(nic_of[g][0])}" for g in topo.gpus[:4])
         checks.append(ok(SECTION, "GPU-NIC", f"every GPU has a NIC at PIX/PXB ({pairs}, ...)"))
     return checks
 
