@@ -6,7 +6,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from dstrain.deploy.docker import CONFIG_DIR, WORKDIR
-from dstrain.deploy.launch import torchrun_command
+from dstrain.deploy.launch import launch_defaults, torchrun_command
 from dstrain.deploy.nccl_env import nccl_env
 from dstrain.deploy.spec import CONFIG_NAME, DeploySpec
 
@@ -47,12 +47,7 @@ def _one_pod_per_host(spec: DeploySpec) -> dict[str, Any]:
 
 def launch_env(spec: DeploySpec, leader: str) -> dict[str, str]:
     return {
-        "NNODES": str(spec.nodes),
-        "NPROC_PER_NODE": str(spec.gpus_per_node),
-        "MASTER_ADDR": leader,
-        "MASTER_PORT": str(spec.rdzv_port),
-        "RDZV_ID": spec.job_name,
-        "MAX_RESTARTS": str(spec.max_restarts),
+        **launch_defaults(spec, leader),
         "DSTRAIN_CONFIG": f"{CONFIG_DIR}/{CONFIG_NAME}",
         "PYTHON": "python3",
     }

@@ -15,8 +15,6 @@ import shlex
 
 from dstrain.deploy.spec import DeploySpec
 
-LAUNCH_VARS = ("NNODES", "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "RDZV_ID", "MAX_RESTARTS")
-
 
 def torchrun_command() -> str:
     """`python -m torch.distributed.run ... -m dstrain.train CONFIG`, one flag per line.
@@ -50,12 +48,13 @@ def env_exports(values: dict[str, str], *, overridable: bool) -> str:
     return "\n".join(f"export {k}={shlex.quote(v)}" for k, v in values.items())
 
 
-def launch_defaults(spec: DeploySpec) -> dict[str, str]:
-    """The bare-metal defaults of the launch variables, from the config and flags."""
+def launch_defaults(spec: DeploySpec, master_addr: str = "127.0.0.1") -> dict[str, str]:
+    """The launch variables from the config and flags (bare metal: their defaults; a
+    Kubernetes pod: its env, with the leader pod as `master_addr`)."""
     return {
         "NNODES": str(spec.nodes),
         "NPROC_PER_NODE": str(spec.gpus_per_node),
-        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(spec.rdzv_port),
         "RDZV_ID": spec.job_name,
         "MAX_RESTARTS": str(spec.max_restarts),
