@@ -9,7 +9,6 @@ step's samples are split among ranks.
 What cannot carry over, and makes a resume fail:
   - any architecture field (ModelArgs) that differs: weights of another shape or meaning;
   - another optimizer kind: its state has other entries;
-  - ZeRO-1 (ZeroRedundancyOptimizer), whose state is not checkpointable in this version;
   - a world size the new layout does not fit;
   - a model-only checkpoint, which holds no optimizer, schedule or data position.
 
@@ -214,12 +213,4 @@ def _layout_blockers(config: DstrainConfig, world_size: int) -> list[Blocker]:
         for f in ParallelDims.of(config.parallel, world_size).validate()
         if f.severity == "error"
     ]
-    if config.parallel.zero_stage == 1:
-        found.append(
-            Blocker(
-                "parallel.zero_stage",
-                "ZeRO-1 (ZeroRedundancyOptimizer) state is not checkpointable in this version; "
-                "use zero_stage 0, 2 or 3",
-            )
-        )
     return found

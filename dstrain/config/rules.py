@@ -302,21 +302,19 @@ def rule_zero(t: CheckTarget) -> Iterable[Finding]:
             "set zero_stage = 3, or offload_params = false",
         )
     dims = t.dims
-    if dims and dims.dp > 1 and dims.tp > 1 and p.zero_stage <= 1:
-        # Legal for Megatron/DeepSpeed (TP + distributed optimizer), so a warning here; the
-        # dstrain trainer refuses it at start-up until it reduces DTensor gradients itself.
-        yield warning(
+    if dims and dims.dp > 1 and dims.tp > 1 and p.zero_stage == 0:
+        yield error(
             "parallel.zero_stage",
-            "dstrain runs tp > 1 with data parallelism only under FSDP2 (zero_stage 2 or 3): "
-            "DDP and ZeRO-1 cannot reduce tensor-parallel (DTensor) parameters",
-            "set parallel.zero_stage = 2 (or 3) to train this with dstrain",
+            "tp > 1 with plain DDP (zero_stage 0): DDP cannot reduce tensor-parallel (DTensor) "
+            "parameters; dstrain runs tp with data parallelism under FSDP2",
+            "set parallel.zero_stage = 1 (Megatron's distributed optimizer), 2 or 3",
         )
-    if comm.compression != "none" and p.zero_stage >= 2:
+    if comm.compression != "none" and p.zero_stage >= 1:
         yield error(
             "comm.compression",
-            f"{comm.compression} compression is a DDP comm hook; FSDP (zero_stage "
+            f"{comm.compression} compression is a DDP comm hook; FSDP2 (zero_stage "
             f"{p.zero_stage}) cannot take hooks",
-            "use zero_stage 0 or 1 with compression, or set comm.compression = none",
+            "use zero_stage 0 (DDP) with compression, or set comm.compression = none",
         )
     if dims and dims.dp_shard == 1 and p.zero_stage > 0 and dims.world_size > 1:
         yield info("parallel.zero_stage", f"ZeRO-{p.zero_stage} has nothing to shard at dp_shard=1")

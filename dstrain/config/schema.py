@@ -71,9 +71,11 @@ class ParallelConfig(Section):
     )
     zero_stage: Literal[0, 1, 2, 3] = Field(
         2,
-        description="ZeRO stage over dp_shard: 0 = DDP, 1 = DDP + sharded optimizer "
-        "(ZeroRedundancyOptimizer), 2 = FSDP2 keeping parameters after forward, 3 = FSDP2 "
-        "resharding after forward. 2 composes with TP, EP, PP and checkpoints.",
+        description="ZeRO stage over the dp axes: 0 = DDP; 1 = sharded fp32 master weights "
+        "and optimizer states, weights gathered once per step and gradients reduced once "
+        "(Megatron's distributed optimizer, on FSDP2); 2 = also sharded gradients, reduced "
+        "per micro-batch; 3 = also weights resharded after each block's forward. 1-3 compose "
+        "with TP, EP, PP and checkpoints.",
     )
     sequence_parallel: bool = Field(
         True, description="Shard norms and dropout over the sequence when tp > 1."
@@ -318,7 +320,7 @@ class CommConfig(Section):
     )
     compression: Literal["none", "bf16", "fp16", "powersgd"] = Field(
         "none",
-        description="DDP gradient compression hook (zero_stage 0 or 1 only; FSDP cannot "
+        description="DDP gradient compression hook (zero_stage 0 only; FSDP2 cannot "
         "take hooks).",
     )
     powersgd_rank: int = Field(4, ge=1, description="PowerSGD matrix approximation rank.")

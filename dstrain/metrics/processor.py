@@ -231,9 +231,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
         size = _local(param).numel() * param.element_size()
         total += size * (2 if param.requires_grad else 1)
     if optimizer is not None:
-        # ZeroRedundancyOptimizer keeps its shard's states in the optimizer it wraps.
-        local = getattr(optimizer, "optim", optimizer)
-        for state in local.state.values():
+        for state in optimizer.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
                     total += _local(value).numel() * value.element_size()

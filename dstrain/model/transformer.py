@@ -9,19 +9,16 @@ hidden state at position i with the embedding of token i+k, runs one transformer
 predicts token i+k+1 through the shared head. Its sequence is k positions shorter.
 """
 
-import math
-
 import torch
 from torch import nn
 
 from dstrain.config.model_args import ModelArgs
 from dstrain.model.attention import build_attention
 from dstrain.model.ffn import FeedForward
+from dstrain.model.init import init_parameters
 from dstrain.model.moe import MoE
 from dstrain.model.norm import RMSNorm
 from dstrain.model.rope import RotaryEmbedding
-
-INIT_STD = 0.02
 
 
 class TransformerBlock(nn.Module):
@@ -113,38 +110,20 @@ class Transformer(nn.Module):
             outputs.append(self.head(module.norm(h)))
         return outputs
 
-    @torch.no_grad()
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        """Fresh weights after `to_empty`: normal(0, 0.02) projections, output projections scaled
-        by 1/sqrt(2 x layers) (GPT-2/Megatron), ones for norms, zero balancing biases."""
-        out_std = INIT_STD / math.sqrt(2 * self.args.num_layers)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                last = name.rsplit(".", 1)[-1]
-                std = out_std if last in ("wo", "w2") else INIT_STD
-                nn.init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=1.0)
-            elif isinstance(module, (RMSNorm, RotaryEmbedding)):
-                module.reset_parameters()
-        for name, param in self.named_parameters():
-            if param.dim() == 3:  # grouped experts
-                std = out_std if name.endswith("w2") else INIT_STD
-                nn.init.trunc_normal_(param, std=std, a=-3 * std, b=3 * std)
-        for name, buffer in self.named_buffers():
-            if name.endswith(("expert_bias", "tokens_per_expert", "last_aux_loss")):
-                buffer.zero_()
-
 
 def _mha_head_dim(args: ModelArgs) -> int:
     return args.head_dim or args.dim // args.num_heads
 
 
-def build_model(args: ModelArgs, device: torch.device | str = "cpu") -> Transformer:
-    """Build on `meta` (no memory), move to `device` with `to_empty`, then initialize once, so a
-    parallelized model never holds the full weights on any rank."""
+def build_model(
+    args: ModelArgs, device: torch.device | str | None = "cpu", seed: int = 0
+) -> Transformer:
+    """The model on `meta` (no memory); with a `device`, materialised there and initialised from
+    `seed` (one process). The trainer passes `device=None`: it parallelises the meta model first
+    and materialises only what each rank holds (`dstrain/parallel/materialize.py`)."""
     with torch.device("meta"):
         model = Transformer(args)
-    model.to_empty(device=device)
-    model.init_weights()
+    if device is not None:
+        model.to_empty(device=device)
+        init_parameters(model, seed)
     return model

@@ -3,14 +3,23 @@
 | zero_stage | what | upstream piece |
 |---|---|---|
 | 0 | plain DDP: gradients all-reduced in backward | `DistributedDataParallel` |
-| 1 | DDP + optimizer states sharded over dp | `ZeroRedundancyOptimizer` (see optim) |
-| 2 | FSDP2, parameters kept unsharded after forward | `fully_shard(reshard_after_forward=False)` |
-| 3 | FSDP2, parameters resharded after forward | `fully_shard(reshard_after_forward=True)` |
+| 1 | ZeRO-1: fp32 master weights and optimizer states sharded; 16-bit (or fp32) weights gathered once per step and kept for all its micro-batches; gradients accumulated unsharded (in fp32) and reduce-scattered once, after the last micro-batch | `fully_shard(reshard_after_forward=False)`, with gradient sync and resharding deferred to the last backward (`defer_grad_sync`) |
+| 2 | ZeRO-2: as 1, but gradients reduce-scattered after every micro-batch (sharded gradients; weights gathered again per micro-batch) | `fully_shard(reshard_after_forward=False)` |
+| 3 | ZeRO-3: weights resharded after each block's forward and gathered again for its backward | `fully_shard(reshard_after_forward=True)` |
 
-FSDP2 shards each transformer block (all-gather parameters in forward and again in backward for
-stage 3, reduce-scatter gradients in backward) and then the root (embedding, norm, head). With
+ZeRO-1 as Megatron's distributed optimizer and DeepSeek-V3 run it, built from FSDP2's primitives
+rather than `ZeroRedundancyOptimizer`, which cannot checkpoint through DCP (its state dict first
+gathers everything on one rank) and does not know expert parallelism. Per parameter in bf16: 2
+bytes of gathered weights, 4 of accumulated fp32 gradients, 12 / dp of fp32 master weights and
+Adam moments: Megatron's figures. Between steps FSDP2 frees the gathered weights (it gathers them
+again, prefetched, at the next forward), and the sharded parameters and optimizer states are
+DTensors, so DCP saves and reshards them like every other layout. Under pipeline parallelism
+upstream's stages already defer the sync to the last micro-batch, so ZeRO-1 and ZeRO-2 run alike.
+
+FSDP2 shards each transformer block and then the root (embedding, norm, head). With
 dp_replicate > 1 the mesh is 2-D (replicate, shard): HSDP, gradients reduce-scattered within a
 shard group and all-reduced across replicas. Optimizer offload is FSDP2's `CPUOffloadPolicy`.
+Expert-parallel experts get an FSDP2 of their own over the ranks holding the same experts.
 """
 
 import inspect

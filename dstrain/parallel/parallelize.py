@@ -5,8 +5,10 @@ Fixed order (torchtitan's), each step for a reason:
 2. expert parallelism: it replaces the experts' forward with dispatch/combine;
 3. activation checkpointing: it must wrap the already-sharded modules;
 4. torch.compile per block: it must see the final modules;
-5. data parallelism / ZeRO last: FSDP shards whatever parameters the steps above left, and DDP
-   wraps the finished model.
+5. FSDP2 (ZeRO-1/2/3): it shards whatever parameters the steps above left;
+6. materialisation: the model was built on `meta`; now each rank allocates and initialises only
+   the shards it holds (`materialize.py`);
+7. DDP last: it wraps a finished model with real tensors.
 """
 
 import torch
@@ -18,14 +20,22 @@ from dstrain.model.transformer import Transformer
 from dstrain.parallel.activation_checkpoint import apply_ac
 from dstrain.parallel.data_parallel import apply_ddp, apply_fsdp, apply_fsdp_experts
 from dstrain.parallel.expert_parallel import ExpertParallelExperts, apply_ep, expert_parameters
+from dstrain.parallel.materialize import materialize
 from dstrain.parallel.mesh import Meshes
 from dstrain.parallel.tensor_parallel import apply_tp
 
 
 def parallelize_model(
-    model: Transformer, config: DstrainConfig, meshes: Meshes | None = None
+    model: Transformer,
+    config: DstrainConfig,
+    meshes: Meshes | None = None,
+    *,
+    device: torch.device | None,
 ) -> nn.Module:
-    """Apply every configured parallelism in order; returns the module to train (DDP wraps)."""
+    """Apply every configured parallelism in order to `model` (built on `meta`), then
+    materialise this rank's shards on `device`. `device=None` leaves the parameters as they are:
+    on meta for a dry run, or a model that was materialised already. Returns the module to
+    train (DDP wraps)."""
     dims = meshes.dims if meshes is not None else None
     if dims is not None and dims.tp > 1:
         apply_tp(model, meshes["tp"], sequence_parallel=config.parallel.sequence_parallel)
@@ -34,19 +44,25 @@ def parallelize_model(
     apply_ac(model, mode=config.train.activation_checkpoint)
     if config.train.compile:
         apply_compile(model)
-    if dims is None or dims.dp == 1:
-        return model
-    return _apply_data_parallel(model, config, meshes)
+    data_parallel = dims is not None and dims.dp > 1
+    if data_parallel and config.parallel.zero_stage >= 1:
+        _apply_fsdp(model, config, meshes)
+    if device is not None:
+        materialize(model, device, config.train.seed)
+    if data_parallel and config.parallel.zero_stage == 0:
+        if any(param.is_meta for param in model.parameters()):
+            return model  # a dry run: DDP needs real tensors (the dry run counts its buckets)
+        experts = [name for name, _ in expert_parameters(model)]
+        return apply_ddp(model, meshes["dp"], config.comm, ignored=experts)
+    return model
 
 
-def _apply_data_parallel(model: Transformer, config: DstrainConfig, meshes: Meshes) -> nn.Module:
-    """DDP or FSDP2 over the dp axes. Expert-parallel experts get FSDP2 of their own over the
-    ranks that hold the same experts (ZeRO >= 2), or stay outside DDP and have their gradients
-    reduced by `reduce_expert_grads`."""
+def _apply_fsdp(model: Transformer, config: DstrainConfig, meshes: Meshes) -> None:
+    """FSDP2 over the dp axes (ZeRO-1/2/3). Expert-parallel experts get FSDP2 of their own over
+    the ranks that hold the same experts, or (with offload) stay outside it and have their
+    gradients reduced by `reduce_expert_grads`."""
     p, dims = config.parallel, meshes.dims
     experts = dict(expert_parameters(model))
-    if p.zero_stage <= 1:
-        return apply_ddp(model, meshes["dp"], config.comm, ignored=list(experts))
     param_dtype = torch.bfloat16 if config.train.precision == "bf16" else None
     if experts_use_fsdp(config, dims):
         emesh = meshes.sparse["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else meshes["efsdp"]
@@ -66,7 +82,6 @@ def _apply_data_parallel(model: Transformer, config: DstrainConfig, meshes: Mesh
         offload=p.offload_optimizer or p.offload_params,
         ignored=set(experts.values()),
     )
-    return model
 
 
 def experts_use_fsdp(config: DstrainConfig, dims: ParallelDims) -> bool:
@@ -75,7 +90,8 @@ def experts_use_fsdp(config: DstrainConfig, dims: ParallelDims) -> bool:
     p = config.parallel
     return (
         dims.ep > 1
-        and p.zero_stage >= 2
+        and dims.dp > 1
+        and p.zero_stage >= 1
         and dims.efsdp * dims.dp_replicate > 1
         and not (p.offload_optimizer or p.offload_params)
     )

@@ -56,7 +56,8 @@ SCHEDULES = {
 
 def carve_stage(model: Transformer, layers: range, *, first: bool, last: bool) -> Transformer:
     """A Transformer holding `model`'s modules for one stage (shared, not copied), except the
-    last stage's MTP embedding, which is a copy (see the module docstring)."""
+    last stage's MTP embedding, which is a copy (see the module docstring; on `meta` it costs
+    nothing, and the initialiser gives it the embedding's weights)."""
     with torch.device("meta"):
         chunk = Transformer(model.args)  # a skeleton; every module below is replaced
     chunk.rope = model.rope
@@ -188,13 +189,17 @@ def _quiet_metadata_inference(
 
 
 def build_pipeline(
-    model: Transformer, config: DstrainConfig, meshes: Meshes, microbatches: int
+    model: Transformer,
+    config: DstrainConfig,
+    meshes: Meshes,
+    microbatches: int,
+    *,
+    device: torch.device | None,
 ) -> Pipeline:
-    """Carve this rank's stages out of the (materialized) full model, parallelize each chunk on
-    the non-pp axes, wrap each in a `PipelineStage` and build the schedule.
-
-    Every rank passes the full model: carving the same initialized weights keeps parity with a
-    one-process run."""
+    """Carve this rank's stages out of the full model (on `meta`: it costs no memory),
+    parallelize each chunk on the non-pp axes and materialise it on `device` (None: stay on
+    meta, a dry run), wrap each in a `PipelineStage` and build the schedule. The layers of other
+    stages are never materialised here."""
     p = config.parallel
     pp_mesh = meshes["pp"]
     pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
@@ -215,13 +220,12 @@ def build_pipeline(
     chunks = [carve_stage(model, layers[s], first=s == 0, last=s == num_stages - 1) for s in mine]
     union = PipelineModel(chunks)  # before DDP wrapping: the names stay the model's own
     tied = _tie_embeddings(union, meshes, p.pp_schedule) if model.mtp is not None else None
-    device = next(model.parameters()).device
     stages = [
         PipelineStage(
-            parallelize_model(chunk, config, meshes),
+            parallelize_model(chunk, config, meshes, device=device),
             s,
             num_stages,
-            device,
+            device or torch.device("meta"),
             group=pp_mesh.get_group(),
             get_mesh=_mesh_by_names(meshes),
         )

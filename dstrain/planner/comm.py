@@ -457,19 +457,21 @@ def _data_parallel(
     `units` blocks FSDP wraps; returns it and the forward and backward compute left to hide more.
 
     ZeRO (Rajbhandari et al. 2020, Sec. 7) as the trainer runs it:
-    - 0/1 (DDP): one all-reduce of the fp32 gradients per step, in 25 MiB buckets, during the
+    - 0 (DDP): one all-reduce of the fp32 gradients per step, in 25 MiB buckets, during the
       last micro-batch's backward (`no_sync` before): exposed = max(0, reduce - backward/m) plus
       the last bucket. Expert gradients (and, under offload, at any stage) are all-reduced after
-      backward (`reduce_expert_grads`), all exposed. ZeRO-1 (`ZeroRedundancyOptimizer`) then
-      broadcasts each rank's updated fp32 parameters: an all-gather's volume, exposed.
-    - 2 (FSDP2, reshard_after_forward=False): per micro-batch, an all-gather of the parameters
-      in forward (param dtype: bf16, or fp32 when the trainer sets no param_dtype) and a
-      reduce-scatter of fp32 gradients in backward; FSDP2 reshards after every backward and
-      reduces every micro-batch (the trainer does not skip gradient sync).
+      backward (`reduce_expert_grads`), all exposed.
+    - 1 (FSDP2, gradient sync deferred to the last micro-batch): one all-gather of the
+      parameters per step (param dtype: bf16, or fp32 when the trainer sets no param_dtype),
+      in the first micro-batch's forward, and one reduce-scatter of the fp32 gradients, in the
+      last micro-batch's backward. ZeRO-2 under PP runs the same way (upstream's stages defer
+      the sync).
+    - 2 (FSDP2, reshard_after_forward=False): per micro-batch, an all-gather in forward and a
+      reduce-scatter in backward; FSDP2 reshards after every backward.
     - 3 (FSDP2, reshard_after_forward=True): the same plus an all-gather in backward: the
       paper's 3 Psi against 2 Psi per micro-batch (in elements; bytes differ by dtype).
-    FSDP2 prefetches gathers and reduces block by block: forward gathers hide in forward
-    compute, backward gathers and reduce-scatters in backward compute, except the last block's
+    FSDP2 prefetches gathers and reduces block by block: forward gathers hide in the forward
+    compute of the micro-batches that gather, backward ones likewise, except the last block's
     reduce-scatter: exposed = max(0, fwd comm - forward) + max(0, bwd comm - backward) + last.
     """
     n, stride = ctx.spans[axis]
@@ -478,34 +480,30 @@ def _data_parallel(
     zero, m = ctx.layout.zero, ctx.microbatches
     grads = params * GRAD_BYTES
     # The trainer keeps experts out of FSDP under offload (FSDP2 offloads per module).
-    if zero <= 1 or (axis == "edp" and ctx.layout.offload):
+    if zero == 0 or (axis == "edp" and ctx.layout.offload):
         return _ddp(ctx, axis, grads, units, backward_s / m), forward_s, backward_s
     units = max(units, 1)
-    gather = m * params * (2 if ctx.layout.precision == "bf16" else 4)
-    fwd = ctx.time(axis, "all_gather", gather, m * units)
+    rounds = 1 if zero == 1 or (zero == 2 and ctx.layout.pp > 1) else m
+    gather = rounds * params * (2 if ctx.layout.precision == "bf16" else 4)
+    fwd = ctx.time(axis, "all_gather", gather, rounds * units)
     bwd_gather = fwd if zero == 3 else 0.0
-    reduce = ctx.time(axis, "reduce_scatter", m * grads, m * units)
-    last = reduce / (m * units)  # one block's: the model is linear in bytes and calls
+    reduce = ctx.time(axis, "reduce_scatter", rounds * grads, rounds * units)
+    last = reduce / (rounds * units)  # one block's: the model is linear in bytes and calls
     bwd = bwd_gather + reduce
-    exposed = max(0.0, fwd - forward_s) + min(bwd, max(0.0, bwd - backward_s) + last)
-    nbytes = gather * (2 if zero == 3 else 1) + m * grads
+    fwd_window, bwd_window = forward_s * rounds / m, backward_s * rounds / m
+    exposed = max(0.0, fwd - fwd_window) + min(bwd, max(0.0, bwd - bwd_window) + last)
+    nbytes = gather * (2 if zero == 3 else 1) + rounds * grads
     out = AxisComm(nbytes, fwd + bwd, exposed, link_kind(n, stride, ctx.cluster), n)
     return out, max(0.0, forward_s - fwd), max(0.0, backward_s - bwd)
 
 
 def _ddp(ctx: _Ctx, axis: str, grads: float, units: int, last_backward_s: float) -> AxisComm:
-    """ZeRO 0/1 of `_data_parallel`. DDP's dense buckets reduce during the last micro-batch's
+    """ZeRO-0 of `_data_parallel`. DDP's dense buckets reduce during the last micro-batch's
     backward (`last_backward_s`); the experts' w1, w2, w3 of each MoE layer are all-reduced one
-    by one after it. ZeRO-1's parameter broadcast moves the fp32 parameters (as many bytes as the
-    fp32 gradients) after the optimizer step."""
+    by one after it."""
     buckets = -(-grads // BUCKET_BYTES)
     out = ctx.axis(axis, "all_reduce", grads, buckets if axis == "dp" else 3 * max(units, 1))
     if axis == "dp":
         last = out.seconds / buckets  # one bucket's: the model is linear in bytes and calls
         out.exposed_seconds = min(out.seconds, max(0.0, out.seconds - last_backward_s) + last)
-    if ctx.layout.zero == 1:
-        sync = ctx.time(axis, "all_gather", grads, buckets)
-        out.bytes += grads
-        out.seconds += sync
-        out.exposed_seconds += sync
     return out

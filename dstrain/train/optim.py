@@ -1,9 +1,7 @@
 """The optimizer: AdamW (or Adam, SGD) with no weight decay on norms and biases."""
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from dstrain.config.schema import OptimConfig
@@ -26,11 +24,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(
-    model: nn.Module, cfg: OptimConfig, zero1_group: dist.ProcessGroup | None = None
-) -> torch.optim.Optimizer:
-    """The optimizer; with `zero1_group`, ZeRO-1: each rank of that group keeps and steps the
-    states of its share of the parameters, then broadcasts the updated parameters."""
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """The optimizer over this rank's parameters (their shards under FSDP2: ZeRO-1/2/3 shard the
+    optimizer states that way)."""
     groups = param_groups(model, cfg.weight_decay)
     if cfg.name == "sgd":
         kind, kwargs = torch.optim.SGD, dict(lr=cfg.lr, momentum=cfg.betas[0])
@@ -38,8 +34,4 @@ def build_optimizer(
         kind = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
         # foreach keeps the step one fused pass over all tensors on CPU and GPU alike.
         kwargs = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=True)
-    if zero1_group is not None:
-        return ZeroRedundancyOptimizer(
-            groups, optimizer_class=kind, process_group=zero1_group, **kwargs
-        )
     return kind(groups, **kwargs)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from dstrain.metrics.probes import NO_PROBES, Probes
@@ -39,10 +40,12 @@ class StepResult:
 
 @dataclass(frozen=True)
 class DataParallel:
-    """The ranks that see different data. group None: one process."""
+    """The ranks that see different data. group None: one process. `defer_sync` (ZeRO-1):
+    gradients are reduced once per step, after the last micro-batch."""
 
     group: dist.ProcessGroup | None = None
     size: int = 1
+    defer_sync: bool = False
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.group is not None and self.size > 1:
@@ -87,7 +90,7 @@ def train_step(
     for i, (mb, lab) in enumerate(zip(micro_batches, labels, strict=True)):
         with probes.phase("forward"):
             last = i == len(micro_batches) - 1
-            with _no_sync(model, last=last), autocast(precision, device):
+            with grad_sync(model, last=last, defer=dp.defer_sync), autocast(precision, device):
                 outputs = model(mb[:, :-1].to(device))
             total, parts = loss_terms(outputs, lab, counts, mtp_weight)
         with probes.phase("backward"):
@@ -221,8 +224,15 @@ def global_counts(labels: list[torch.Tensor], num_mtp: int, dp: DataParallel) ->
     return TokenCounts(tuple(int(n) for n in summed.tolist()))  # host sync: counts are divisors
 
 
-def _no_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
-    """DDP: all-reduce gradients once, after the last micro-batch, not after every one."""
+def grad_sync(model: nn.Module, *, last: bool, defer: bool) -> contextlib.AbstractContextManager:
+    """Around a micro-batch's forward. DDP: all-reduce gradients once, after the last
+    micro-batch. FSDP2 under ZeRO-1 (`defer`): keep the gathered weights and accumulate
+    unsharded gradients until the last micro-batch, then reduce-scatter and reshard (flags that
+    FSDP2 reads in backward, so they are set here and stay set)."""
+    if defer and isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(last)
+        return contextlib.nullcontext()
     if not last and hasattr(model, "no_sync"):
         return model.no_sync()
     return contextlib.nullcontext()

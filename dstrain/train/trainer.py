@@ -15,6 +15,7 @@ from dstrain.config.batch import BatchPlan, resolve_batch
 from dstrain.config.flavors import resolve_model_args
 from dstrain.config.load import to_toml
 from dstrain.config.parallel_dims import ParallelDims
+from dstrain.config.rules import CheckTarget, run_rules
 from dstrain.config.schema import DstrainConfig
 from dstrain.config.validate import raise_if_errors
 from dstrain.data.build import build_dataset
@@ -71,7 +72,7 @@ class Trainer:
         self.model = self._build_model()
         self.probes = build_probes(config, self.device, self.meshes, self.model, self.pipeline)
         self.pipeline_timer = build_pipeline_timer(self.pipeline, self.probes)
-        self.optimizer = build_optimizer(self.model, config.optim, zero1_group=self._zero1_group())
+        self.optimizer = build_optimizer(self.model, config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.lr, config.train.steps)
         self.scaler = LossScaler(config.train.loss_scale, config.train.precision == "fp16")
         self.loader = self._build_loader()
@@ -110,29 +111,19 @@ class Trainer:
             torch.use_deterministic_algorithms(True, warn_only=True)
 
     def _build_dims(self) -> ParallelDims:
-        p = self.config.parallel
-        dims = ParallelDims.of(p, self.world.world_size)
+        """The degrees, after the rules of `dstrain check` (the CLI ran them already; a Trainer
+        built in code runs them here): nothing the check accepts is refused later."""
+        dims = ParallelDims.of(self.config.parallel, self.world.world_size)
         raise_if_errors(dims.validate())
-        if dims.tp > 1 and dims.dp > 1 and p.zero_stage <= 1:
-            raise UserError(
-                "tp > 1 with data parallelism runs only under FSDP2 here: DDP and ZeRO-1 cannot "
-                "reduce tensor-parallel (DTensor) parameters",
-                "set parallel.zero_stage = 2 (or 3)",
-                exit_code=1,
-            )
-        if p.zero_stage == 1 and dims.dp > 1 and self.config.checkpoint.enable:
-            raise UserError(
-                "checkpoints of ZeRO-1 (ZeroRedundancyOptimizer) runs are not supported yet",
-                "use parallel.zero_stage = 2 (FSDP2 also shards the optimizer states), or "
-                "checkpoint.enable = false",
-                exit_code=1,
-            )
+        target = CheckTarget(self.config, self.world.world_size, self.model_args, None)
+        raise_if_errors([f for f in run_rules(target) if f.key != "data.source"])
         return dims
 
     def _build_data_parallel(self) -> DataParallel:
         if self.meshes is None or self.dims.dp == 1:
             return DataParallel()
-        return DataParallel(self.meshes["dp"].get_group(), self.dims.dp)
+        zero1 = self.config.parallel.zero_stage == 1
+        return DataParallel(self.meshes["dp"].get_group(), self.dims.dp, defer_sync=zero1)
 
     def _finish_grads(self) -> None:
         """Each rank's expert gradient is dp x (its ep group's tokens, every tp copy of them):
@@ -148,11 +139,6 @@ class Trainer:
         else:
             reduce_expert_grads(self.model, edp.get_group() if edp.size() > 1 else None, scale)
 
-    def _zero1_group(self):
-        if self.config.parallel.zero_stage == 1 and self.dp.size > 1:
-            return self.dp.group
-        return None
-
     def _build_batch(self) -> BatchPlan:
         t = self.config.train
         plan, findings = resolve_batch(
@@ -163,14 +149,19 @@ class Trainer:
         return plan
 
     def _build_model(self) -> torch.nn.Module:
-        """The module to train, or under PP this rank's stages seen as one module."""
-        # Every rank materializes the full model from the same seed, then shards it: identical
-        # initial weights to a one-process run (parity), at the cost of one full copy per rank.
-        model = build_model(self.model_args, self.device)
+        """The module to train, or under PP this rank's stages seen as one module. Built on
+        `meta`, parallelised (or carved into stages), and only then materialised: a rank
+        allocates its own shards, never the whole model; the layout-invariant initialiser gives
+        the weights of a one-process run with the same seed."""
+        model = build_model(self.model_args, device=None)
         if self.dims.pp == 1:
-            return parallelize_model(model, self.config, self.meshes)
+            return parallelize_model(model, self.config, self.meshes, device=self.device)
         self.pipeline = build_pipeline(
-            model, self.config, self.meshes, microbatches=self.batch.grad_accum_steps
+            model,
+            self.config,
+            self.meshes,
+            microbatches=self.batch.grad_accum_steps,
+            device=self.device,
         )
         return self.pipeline.model
 

@@ -93,7 +93,7 @@ TWO_RANKS = {
 
 # Compression changes the maths: checked for convergence, per-step loss within 2% of exact DDP.
 COMPRESSED = {
-    "fp16_hook": ["parallel.dp_shard=2", "parallel.zero_stage=1", "comm.compression=fp16"],
+    "fp16_hook": ["parallel.dp_shard=2", "parallel.zero_stage=0", "comm.compression=fp16"],
     "powersgd": [
         "parallel.dp_shard=2",
         "parallel.zero_stage=0",

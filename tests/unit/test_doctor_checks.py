@@ -10,58 +10,120 @@ from dstrain.doctor.nccl_env import lint_nccl_env, match_ifname, socket_ifname_c
 from dstrain.doctor.topology import parse_topology
 from dstrain.doctor.topology_checks import largest_nvlinked_group, topology_checks
 from tests.conftest import REPO, SHARED
+from tests.unit.test_doctor_made_topologies import (
+    DGX1_FOUR_HCAS_PROMPT_TEXT,
+    DGX1_TEXT,
+    DGX_A100_TEXT,
+)
 
 TOPO = REPO / "tests" / "fixtures" / "doctor" / "topo"
-DGX1 = SHARED / "fixtures" / "topo" / "08_v100_sxm2_dgx1_hybrid_cube_mesh_dlperf.txt"
+DGX1_SHARED = SHARED / "fixtures" / "topo" / "08_v100_sxm2_dgx1_hybrid_cube_mesh_dlperf.txt"
+# DGX-1-class hybrid cube meshes, each with its first socket's CPU list: the one written down in
+# test_doctor_made_topologies, a real (truncated) paste from nccl-tests#29, and, as extra
+# coverage when ../shared is present, the shared fixture.
+CUBE_MESHES = {
+    "made": "0-19,40-59",
+    "nccl-tests-29": "0-23,48-71",
+    "shared": "0-11,24-35",
+}
 
 
 def _checks(path, **layout):
-    return {c.name: c for c in topology_checks(parse_topology(path.read_text()), **layout)}
+    return _checks_of(path.read_text(), **layout)
 
 
-def test_tp8_on_a_dgx1_names_the_pairs_without_nvlink(shared):
-    checks = _checks(DGX1, tp=8)
+def _checks_of(text, **layout):
+    return {c.name: c for c in topology_checks(parse_topology(text), **layout)}
+
+
+@pytest.fixture(params=list(CUBE_MESHES))
+def cube_mesh(request):
+    """(text, CPUs of GPU0-GPU3) of an 8 x V100 hybrid cube mesh with one HCA under GPU2/GPU3."""
+    if request.param == "made":
+        text = DGX1_TEXT
+    elif request.param == "nccl-tests-29":
+        text = (TOPO / "07_v100_sxm2_8gpu_cube_mesh_mlx5_columns_truncated.txt").read_text()
+    else:
+        text = (request.getfixturevalue("shared") / DGX1_SHARED.relative_to(SHARED)).read_text()
+    return text, CUBE_MESHES[request.param]
+
+
+def test_tp8_on_a_dgx1_names_the_pairs_without_nvlink(cube_mesh):
+    text, _ = cube_mesh
+    checks = _checks_of(text, tp=8)
     tp = checks["tp=8"]
     assert tp.status == "warn"
     assert "GPU0-GPU5 (SYS)" in tp.detail and "GPU1-GPU4 (SYS)" in tp.detail
-    assert "GPU0-GPU1" not in tp.detail  # NV1: linked
+    assert "GPU0-GPU1" not in tp.detail  # NV1 (NV2 in nccl-tests#29): linked
+    assert "and 6 more" in tp.detail  # 12 pairs without NVLink, 6 listed
     assert "tp <= 4" in tp.fix
 
 
-def test_tp4_on_a_dgx1_is_fine_and_the_nvlink_counts_are_reported(shared):
-    checks = _checks(DGX1, tp=4)
+def test_tp4_on_a_dgx1_is_fine_and_the_nvlink_counts_are_reported(cube_mesh):
+    text, cpus = cube_mesh
+    checks = _checks_of(text, tp=4)
     assert checks["tp=4"].status == "ok"
     assert "NV2 x8, NV1 x8, SYS x12" in checks["nvlink"].detail
-    assert "CPUs 0-11,24-35: GPU0, GPU1, GPU2, GPU3" in checks["numa"].detail
+    assert f"CPUs {cpus}: GPU0, GPU1, GPU2, GPU3" in checks["numa"].detail
 
 
-def test_dgx1_gpus_without_a_near_nic_are_named(shared):
-    nic = _checks(DGX1)["GPU-NIC"]
+def test_dgx1_gpus_without_a_near_nic_are_named(cube_mesh):
+    text, _ = cube_mesh
+    nic = _checks_of(text)["GPU-NIC"]
     assert nic.status == "warn"
     for gpu in ("GPU0 (nearest mlx5_0 at NODE)", "GPU4 (nearest mlx5_0 at SYS)"):
         assert gpu in nic.detail
     assert "GPU2" not in nic.detail and "GPU3" not in nic.detail  # PIX to mlx5_0
 
 
-def test_ep_groups_are_consecutive_gpus_as_in_the_trainers_mesh(shared):
+def test_ep_groups_are_consecutive_gpus_as_in_the_trainers_mesh(cube_mesh):
+    text, _ = cube_mesh
     # parallel/mesh.py folds ep innermost: EP groups are {0..3} and {4..7} for ep=4.
-    fine = _checks(DGX1, tp=2, ep=4)
+    fine = _checks_of(text, tp=2, ep=4)
     assert fine["tp=2"].status == "ok"  # GPU0-1, 2-3, 4-5, 6-7 are all NV-linked
     assert fine["ep=4"].status == "ok" and "GPU0-GPU3" in fine["ep=4"].detail
-    ep = _checks(DGX1, tp=2, ep=8)["ep=8"]
+    assert "GPU4-GPU7" in fine["ep=4"].detail
+    ep = _checks_of(text, tp=2, ep=8)["ep=8"]
     # One group of all 8: GPU0-GPU5 is SYS on a DGX-1's hybrid cube mesh.
     assert ep.status == "warn" and "GPU0-GPU5 (SYS)" in ep.detail
     assert "use ep <= 4" in ep.fix
 
 
+def test_ep2_groups_on_a_dgx1_are_nvlinked_pairs():
+    # ep=2 pairs GPU0-1, GPU2-3, GPU4-5, GPU6-7: all NV-linked on the hybrid cube mesh.
+    checks = _checks_of(DGX1_TEXT, tp=1, ep=2)
+    assert checks["tp=1"].status == "ok" and checks["ep=2"].status == "ok"
+    assert "GPU0-GPU1, GPU2-GPU3, GPU4-GPU5, GPU6-GPU7" in checks["ep=2"].detail
+
+
+def test_a_dgx1_with_one_hca_per_gpu_pair_has_no_nic_warnings():
+    checks = _checks_of(DGX1_FOUR_HCAS_PROMPT_TEXT, tp=8)
+    assert "far NICs" not in checks
+    near = checks["GPU-NIC"]
+    assert near.status == "ok"
+    assert "GPU0->mlx5_0, GPU1->mlx5_0, GPU2->mlx5_1, GPU3->mlx5_1" in near.detail
+    assert checks["tp=8"].status == "warn" and "GPU0-GPU5 (SYS)" in checks["tp=8"].detail
+
+
 def test_a100_storage_nics_are_far_and_tp8_is_fine():
-    checks = _checks(TOPO / "01_dgx_a100_nv12_10nic_tabs_fenced.txt", tp=8, ep=1)
+    checks = _checks_of(DGX_A100_TEXT, tp=8, ep=1)
     assert checks["tp=8"].status == "ok"
     far = checks["far NICs"]
     assert "mlx5_8 (NIC8)" in far.detail and "mlx5_9 (NIC9)" in far.detail
     assert "NIC7" not in far.detail
     assert "NCCL_IB_HCA=^=mlx5_8,mlx5_9" in far.fix
     assert "GPU-NIC" not in checks  # every GPU has a PXB NIC
+
+
+def test_a_management_nic_sys_to_every_gpu_is_far_on_a_real_h800():
+    checks = _checks(TOPO / "01_h800_nv18_10nic_far_nic_sglang_env.txt", tp=8, ep=8)
+    assert checks["tp=8"].status == "ok" and checks["ep=8"].status == "ok"
+    far = checks["far NICs"]
+    assert far.status == "warn"
+    assert far.detail == "far from every GPU: mlx5_0 (NIC0) (nearest GPU0 at SYS)"
+    assert "NCCL_IB_HCA=^=mlx5_0 " in far.fix
+    assert "mlx5_stor_0" not in far.detail  # NIC9: PXB to GPU0-GPU3
+    assert "GPU-NIC" not in checks  # each GPU has its own mlx5_gdr_* at PIX
 
 
 def test_h100_is_clean():

@@ -16,10 +16,20 @@ from dstrain.cli.common import run_guarded
 from dstrain.cli.doctor import register
 from dstrain.doctor.run import Options, run_doctor
 from tests.conftest import REPO, SHARED, CliResult
+from tests.unit.test_doctor_made_topologies import DGX1_TEXT
 
 TOPO = REPO / "tests" / "fixtures" / "doctor" / "topo"
 IBSTAT = REPO / "tests" / "fixtures" / "doctor" / "ibstat"
-DGX1 = SHARED / "fixtures" / "topo" / "08_v100_sxm2_dgx1_hybrid_cube_mesh_dlperf.txt"
+# Extra coverage when the shared fixtures sit beside the repository (skipped otherwise).
+DGX1_SHARED = SHARED / "fixtures" / "topo" / "08_v100_sxm2_dgx1_hybrid_cube_mesh_dlperf.txt"
+
+
+@pytest.fixture
+def dgx1(tmp_path) -> Path:
+    """The DGX-1 hybrid cube mesh of test_doctor_made_topologies, saved as a user would."""
+    path = tmp_path / "topo.txt"
+    path.write_text(DGX1_TEXT)
+    return path
 
 
 def doctor(*argv: str) -> CliResult:
@@ -35,8 +45,34 @@ def doctor(*argv: str) -> CliResult:
     return CliResult(code, out.getvalue(), err.getvalue())
 
 
-def test_saved_topology_json_gives_the_matrix_as_written(shared):
-    result = doctor("--topology-from", DGX1, "--tp", "8", "--json")
+def test_saved_topology_json_gives_the_matrix_as_written(dgx1):
+    result = doctor("--topology-from", dgx1, "--tp", "8", "--json")
+    assert result.code == 0, result.text
+    data = result.json()
+    assert data["topology"]["matrix"]["GPU0"]["GPU3"] == "NV2"
+    assert data["topology"]["matrix"]["mlx5_0"]["GPU2"] == "PIX"
+    assert data["topology"]["affinity"]["GPU4"] == {"cpu": "20-39,60-79"}
+    assert data["topology"]["nics"] == ["mlx5_0"] and data["topology"]["nic_legend"] == {}
+    assert data["summary"]["mode"] == "files"
+    tp = next(c for c in data["checks"] if c["name"] == "tp=8")
+    assert tp["status"] == "warn" and "GPU0-GPU5 (SYS)" in tp["detail"] and tp["fix"]
+    assert {c["section"] for c in data["checks"]} == {"topology"}  # files only: no local checks
+
+
+def test_saved_truncated_paste_json_says_what_is_missing():
+    path = TOPO / "07_v100_sxm2_8gpu_cube_mesh_mlx5_columns_truncated.txt"
+    result = doctor("--topology-from", path, "--tp", "8", "--json")
+    assert result.code == 0, result.text
+    data = result.json()
+    assert data["topology"]["matrix"]["GPU7"]["GPU3"] == "NV2"  # from GPU3's row
+    paste = next(c for c in data["checks"] if c["name"] == "paste")
+    assert paste["status"] == "warn" and "no row for GPU7, mlx5_0, mlx5_1" in paste["detail"]
+    tp = next(c for c in data["checks"] if c["name"] == "tp=8")
+    assert tp["status"] == "warn" and "GPU1-GPU4 (SYS)" in tp["detail"]
+
+
+def test_saved_topology_json_on_the_shared_fixture(shared):
+    result = doctor("--topology-from", DGX1_SHARED, "--tp", "8", "--json")
     assert result.code == 0, result.text
     data = result.json()
     assert data["topology"]["matrix"]["GPU0"]["GPU3"] == "NV2"
@@ -51,7 +87,7 @@ def test_saved_topology_json_gives_the_matrix_as_written(shared):
 def test_saved_topology_and_ibstat_text_output():
     result = doctor(
         "--topology-from",
-        TOPO / "01_dgx_a100_nv12_10nic_tabs_fenced.txt",
+        TOPO / "01_h800_nv18_10nic_far_nic_sglang_env.txt",
         "--ib-from",
         IBSTAT / "03_connectx7_roce200_and_down_port_truncated.txt",
     )
@@ -60,14 +96,19 @@ def test_saved_topology_and_ibstat_text_output():
     assert "fix: bring the link up" in result.out  # the fix is printed under a non-ok check
     assert "mlx5_10 port 1: Down" in result.out
     assert "NIC legend: NIC0=mlx5_0" in result.out
+    assert "mlx5_0 (NIC0)" in result.out  # the far management NIC, by its legend name
 
 
-def test_config_sets_the_layout(tmp_path, shared):
+@pytest.mark.parametrize("source", ["made", "shared"])
+def test_config_sets_the_layout(tmp_path, request, source):
+    if source == "shared":
+        request.getfixturevalue("shared")  # skips, with its reason, when ../shared is absent
+    topo = request.getfixturevalue("dgx1") if source == "made" else DGX1_SHARED
     config = tmp_path / "run.toml"
     config.write_text("[parallel]\ntp = 8\nep = 1\n")
-    result = doctor("--topology-from", DGX1, "--config", config, "--json")
-    assert any(c["name"] == "tp=8" for c in result.json()["checks"])
-    result = doctor("--topology-from", DGX1, "--config", config, "--tp", "4", "--json")
+    result = doctor("--topology-from", topo, "--config", config, "--json")
+    assert any(c["name"] == "tp=8" and c["status"] == "warn" for c in result.json()["checks"])
+    result = doctor("--topology-from", topo, "--config", config, "--tp", "4", "--json")
     assert any(c["name"] == "tp=4" and c["status"] == "ok" for c in result.json()["checks"])
 
 

@@ -39,6 +39,25 @@ def test_truncated_block_keeps_its_state_and_leaves_the_rest_unknown():
     assert down.ca_type == "MT4125"
 
 
+def test_infiniband_and_roce_ports_of_one_host():
+    """02: eight ConnectX-7 on InfiniBand NDR plus four Ethernet ports, two of them down."""
+    sample = SAMPLES[1]
+    ports = parse_ibstat((FIXTURES / sample["file"]).read_text())
+    ib = [p for p in ports if p.link_layer == "InfiniBand"]
+    assert len(ib) == 8 and {p.rate_gbps for p in ib} == {400.0} and all(p.active for p in ib)
+    assert {p.ca_type for p in ib} == {"MT4129"}
+    assert [p.ca for p in ports if not p.active] == sample["down"]
+    checks = {c.name: c for c in ib_checks(ports, "ibstat")}
+    assert checks["mlx5_0 port 1"].status == "ok" and "InfiniBand" in checks["mlx5_0 port 1"].detail
+    down = checks["mlx5_1 port 1"]
+    assert down.status == "warn" and "Down, Disabled" in down.detail
+    assert "NCCL_IB_HCA=^=mlx5_1" in down.fix
+    assert "RoCE" in checks["mlx5_7 port 1"].detail
+    rates = checks["rates"]
+    assert rates.status == "warn" and "(100, 400 Gb/s)" in rates.detail
+    assert "slowest: mlx5_7 port 1, mlx5_8 port 1" in rates.detail
+
+
 @pytest.mark.parametrize(
     "damage",
     [

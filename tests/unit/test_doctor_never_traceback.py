@@ -10,10 +10,15 @@ from hypothesis import strategies as st
 from dstrain.doctor.ibstat import IbstatParseError, parse_ibstat
 from dstrain.doctor.topology import TopologyParseError, parse_topology
 from tests.conftest import REPO, SHARED, run_cli
+from tests.unit.test_doctor_made_topologies import RENDERINGS
 
-TOPO = sorted((REPO / "tests" / "fixtures" / "doctor" / "topo").glob("*.txt")) + [
-    SHARED / "fixtures" / "topo" / "08_v100_sxm2_dgx1_hybrid_cube_mesh_dlperf.txt"
-]
+# Committed issue-thread pastes, the layouts written down in test_doctor_made_topologies, and the
+# shared DGX-1 paste when ../shared is beside the repository (a user's clone may not have it).
+TOPO_FILES = sorted((REPO / "tests" / "fixtures" / "doctor" / "topo").glob("*.txt"))
+SHARED_DGX1 = SHARED / "fixtures" / "topo" / "08_v100_sxm2_dgx1_hybrid_cube_mesh_dlperf.txt"
+if SHARED_DGX1.is_file():
+    TOPO_FILES.append(SHARED_DGX1)
+TOPO = [path.read_text() for path in TOPO_FILES] + [text for _, text in RENDERINGS.values()]
 IBSTAT = sorted((REPO / "tests" / "fixtures" / "doctor" / "ibstat").glob("*.txt"))
 SETTINGS = settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -32,9 +37,8 @@ blank_runs = st.lists(st.sampled_from([" ", "  ", "\t", "\t\t", " \t", "        
 
 
 @SETTINGS
-@given(path=st.sampled_from(TOPO), choices=blank_runs)
-def test_any_blank_damage_parses_to_the_same_matrix(path, choices):
-    text = path.read_text()
+@given(text=st.sampled_from(TOPO), choices=blank_runs)
+def test_any_blank_damage_parses_to_the_same_matrix(text, choices):
     original = parse_topology(text)
     damaged = parse_topology(_reblank(text, choices))
     assert damaged.matrix == original.matrix

@@ -10,7 +10,8 @@ from dstrain.config.model_args import ModelArgs
 from dstrain.model.flops import param_counts
 from dstrain.model.moe import MoE
 from dstrain.model.norm import RMSNorm
-from dstrain.model.transformer import INIT_STD, Transformer, build_model
+from dstrain.model.init import INIT_STD
+from dstrain.model.transformer import Transformer, build_model
 
 # vocab_size differs from every other width, so a vocabulary-sized tensor is the embedding/head.
 BASE = ModelArgs(
@@ -70,8 +71,7 @@ def _tokens(seed: int = 0, vocab: int = BASE.vocab_size) -> torch.Tensor:
 
 
 def _built(args: ModelArgs, dtype: torch.dtype = torch.float32, seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    return build_model(args).to(dtype).eval()
+    return build_model(args, seed=seed).to(dtype).eval()
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -93,7 +93,6 @@ def test_without_mtp_forward_returns_a_tensor():
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_build_model_materializes_and_initializes(name):
     args = VARIANTS[name]
-    torch.manual_seed(0)
     model = build_model(args)
     assert all(t.device.type == "cpu" for t in (*model.parameters(), *model.buffers()))
     assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -189,11 +189,16 @@ def test_zero3_moves_one_and_a_half_times_the_zero2_volume():
     assert bf16.bytes == 2 * 2 * psi + 4 * psi  # bf16 gathers, fp32 gradients
 
 
-def test_fsdp_communicates_every_micro_batch_and_ddp_once_per_step():
+def test_zero2_communicates_every_micro_batch_zero1_and_ddp_once_per_step():
     psi, layout = 1e9, Layout(dp=16, tp=8, micro_batch=1, global_batch=64)  # 4 micro-batches
+    # DDP: an all-reduce of fp32 gradients. ZeRO-1: one all-gather of bf16 weights and one
+    # reduce-scatter of fp32 gradients per step; ZeRO-2 both per micro-batch.
     assert step(V3, layout.with_(zero=0), dense_params_per_rank=psi).dp.bytes == 4 * psi
-    assert step(V3, layout.with_(zero=1), dense_params_per_rank=psi).dp.bytes == 8 * psi
+    assert step(V3, layout.with_(zero=1), dense_params_per_rank=psi).dp.bytes == 6 * psi
     assert step(V3, layout.with_(zero=2), dense_params_per_rank=psi).dp.bytes == 4 * 6 * psi
+    # Under PP upstream's stages defer ZeRO-2's sync to the last micro-batch too.
+    piped = layout.with_(zero=2, pp=2)
+    assert step(V3, piped, dense_params_per_rank=psi).dp.bytes == 6 * psi
 
 
 def test_gradient_reduction_hides_behind_backward_except_the_last_bucket():

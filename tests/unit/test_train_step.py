@@ -67,7 +67,9 @@ def test_activation_checkpointing_changes_nothing(mode):
     batch = _batch()
     plain = _model()
     checkpointed = parallelize_model(
-        _model(), DstrainConfig.model_validate({"train": {"activation_checkpoint": mode}})
+        _model(),
+        DstrainConfig.model_validate({"train": {"activation_checkpoint": mode}}),
+        device=None,  # already materialised
     )
     a, b = _step(plain, [batch]), _step(checkpointed, [batch])
     assert a.loss.item() == b.loss.item()

@@ -2,7 +2,8 @@
 
 argv: OUT_DIR JSON, where JSON is {"common": [overrides], "layouts": {name: [overrides]}} and
 optionally "stop_at": N, to stop every layout after N steps with a checkpoint (a run cut short,
-its LR schedule still the whole run's).
+its LR schedule still the whole run's), or "init_only": true, to save each layout's initial
+weights without training.
 Under pipeline parallelism each rank holds some layers: the full state dicts of all ranks are
 merged (the MTP copy of the tied embedding is checked against the embedding, then dropped).
 """
@@ -68,6 +69,13 @@ def train_all(out_dir):
     for name, overrides in spec["layouts"].items():
         config = load_config(None, [*spec["common"], f"run.name={name}", *overrides]).config
         trainer = Trainer(config)
+        if spec.get("init_only"):
+            state = full_weights(trainer)
+            if dist.get_rank() == 0:
+                torch.save(state, out_dir / f"{name}.pt")
+            done[name] = 0.0
+            dist.barrier()
+            continue
         if "stop_at" in spec:
             done[name] = cut_short(trainer, spec["stop_at"])
             continue

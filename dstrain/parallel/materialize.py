@@ -1,0 +1,34 @@
+"""Materialising a model built on `meta` after it was parallelised: each rank allocates only the
+shards it holds (`to_empty`) and fills them with the layout-invariant initial weights of
+`dstrain/model/init.py`, so gathered weights equal a one-process run's bit for bit.
+
+Order (torchtitan's): build on meta -> TP, EP, activation checkpointing, compile, FSDP2 -> here
+-> DDP (which needs real tensors: it broadcasts rank 0's at wrap time).
+"""
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from dstrain.model.init import LocalBox, init_parameters, whole
+
+
+def local_box(tensor: torch.Tensor) -> LocalBox:
+    """Where this rank's local shard of `tensor` sits in the global tensor. FSDP2's shards are
+    DTensors too (uneven ones cut as torch.chunk cuts, as DTensor computes), so TP, EP and FSDP
+    and their 2-D compositions all come out as one box of the global tensor."""
+    if not isinstance(tensor, DTensor):
+        return whole(tensor)
+    shape, offset = compute_local_shape_and_global_offset(
+        tensor.shape, tensor.device_mesh, tensor.placements
+    )
+    local = tensor._local_tensor  # the storage itself: init writes in place
+    assert tuple(local.shape) == tuple(shape), (tuple(local.shape), tuple(shape))
+    return LocalBox(local, tuple(tensor.shape), tuple(offset))
+
+
+def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate `model`'s local shards on `device` and initialise them from `seed`."""
+    model.to_empty(device=device)
+    init_parameters(model, seed, local_box)
