@@ -320,8 +320,7 @@ class CommConfig(Section):
     )
     compression: Literal["none", "bf16", "fp16", "powersgd"] = Field(
         "none",
-        description="DDP gradient compression hook (zero_stage 0 only; FSDP2 cannot "
-        "take hooks).",
+        description="DDP gradient compression hook (zero_stage 0 only; FSDP2 cannot take hooks).",
     )
     powersgd_rank: int = Field(4, ge=1, description="PowerSGD matrix approximation rank.")
     powersgd_start_iter: int = Field(

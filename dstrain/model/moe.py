@@ -69,9 +69,8 @@ class Router(nn.Module):
     def _count(self, experts_TK: torch.Tensor) -> None:
         # Activation checkpointing re-runs this forward inside backward; count the first pass only.
         if torch._C._current_graph_task_id() == -1:
-            self.tokens_per_expert += torch.bincount(
-                experts_TK.flatten(), minlength=self.num_experts
-            ).to(self.tokens_per_expert.dtype)
+            counts = count_per_expert(experts_TK, self.num_experts)
+            self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert: torch.Tensor, speed: float) -> None:
@@ -79,6 +78,15 @@ class Router(nn.Module):
         by `speed`, lower it for over-loaded ones. `tokens_per_expert` covers the global batch."""
         load = tokens_per_expert.to(self.expert_bias.dtype)
         self.expert_bias += speed * torch.sign(load.mean() - load)
+
+
+def count_per_expert(experts_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Token copies per expert [E] (int64). A scatter-add rather than `bincount`, whose output
+    length depends on the data, so that fake-tensor tracing (dry runs, torch.compile) sees a
+    static shape."""
+    ids = experts_TK.flatten()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    return counts.scatter_add_(0, ids, torch.ones_like(ids))
 
 
 class GroupedExperts(nn.Module):
@@ -163,7 +171,7 @@ class MoE(nn.Module):
         weights_TK, experts_TK, scores_TE = self.router(x_TD)
         order = experts_TK.flatten().argsort(stable=True)
         token_of = order // self.top_k
-        counts_E = torch.bincount(experts_TK.flatten(), minlength=self.num_experts)
+        counts_E = count_per_expert(experts_TK, self.num_experts)
         routed_TD = self.experts(x_TD[token_of], counts_E)
         routed_TD = (routed_TD.to(weights_TK.dtype) * weights_TK.flatten()[order, None]).to(
             x_TD.dtype

@@ -2,10 +2,13 @@
 
 | zero_stage | what | upstream piece |
 |---|---|---|
-| 0 | plain DDP: gradients all-reduced in backward | `DistributedDataParallel` |
-| 1 | ZeRO-1: fp32 master weights and optimizer states sharded; 16-bit (or fp32) weights gathered once per step and kept for all its micro-batches; gradients accumulated unsharded (in fp32) and reduce-scattered once, after the last micro-batch | `fully_shard(reshard_after_forward=False)`, with gradient sync and resharding deferred to the last backward (`defer_grad_sync`) |
-| 2 | ZeRO-2: as 1, but gradients reduce-scattered after every micro-batch (sharded gradients; weights gathered again per micro-batch) | `fully_shard(reshard_after_forward=False)` |
-| 3 | ZeRO-3: weights resharded after each block's forward and gathered again for its backward | `fully_shard(reshard_after_forward=True)` |
+| 0 | DDP: gradients all-reduced in backward | `DistributedDataParallel` |
+| 1 | sharded fp32 master weights and optimizer states | FSDP2, no resharding after forward, |
+|   | weights gathered once per step; gradients  | gradient sync and resharding deferred to the |
+|   | accumulated unsharded, reduced once        | last micro-batch (`grad_sync` in train/step) |
+| 2 | as 1, plus sharded gradients, reduced (and | `fully_shard(reshard_after_forward=False)` |
+|   | weights gathered) every micro-batch        | |
+| 3 | as 2, plus weights resharded after forward | `fully_shard(reshard_after_forward=True)` |
 
 ZeRO-1 as Megatron's distributed optimizer and DeepSeek-V3 run it, built from FSDP2's primitives
 rather than `ZeroRedundancyOptimizer`, which cannot checkpoint through DCP (its state dict first

@@ -11,13 +11,8 @@ from typing import Any
 import torch
 
 from dstrain import __version__
-from dstrain.config.batch import BatchPlan, resolve_batch
-from dstrain.config.flavors import resolve_model_args
 from dstrain.config.load import to_toml
-from dstrain.config.parallel_dims import ParallelDims
-from dstrain.config.rules import CheckTarget, run_rules
 from dstrain.config.schema import DstrainConfig
-from dstrain.config.validate import raise_if_errors
 from dstrain.data.build import build_dataset
 from dstrain.data.loader import DataLoader
 from dstrain.errors import UserError
@@ -30,12 +25,9 @@ from dstrain.metrics.processor import (
 )
 from dstrain.metrics.sinks import Sink
 from dstrain.model.flops import param_counts, training_flops_per_token
-from dstrain.model.transformer import build_model
 from dstrain.parallel.distributed import env_int, init_distributed
 from dstrain.parallel.expert_parallel import reduce_expert_grads, scale_expert_grads
-from dstrain.parallel.mesh import build_meshes
-from dstrain.parallel.parallelize import experts_use_fsdp, parallelize_model
-from dstrain.parallel.pipeline import Pipeline, build_pipeline
+from dstrain.parallel.parallelize import experts_use_fsdp
 from dstrain.train.checkpointing import CpuRng, SchedulePosition, TrainCheckpoints
 from dstrain.train.faults import fault_from_env, poisoned_forward
 from dstrain.train.goodput import RunClock
@@ -44,12 +36,12 @@ from dstrain.train.heartbeat import Heartbeat, explain_timeout, read_heartbeats
 from dstrain.train.loss_scale import LossScaler
 from dstrain.train.lr import build_scheduler
 from dstrain.train.observe import build_pipeline_timer, build_probes, build_sinks, step_figures
-from dstrain.train.optim import build_optimizer
 from dstrain.train.pipeline_step import pipeline_step
 from dstrain.train.preemption import Preemption
 from dstrain.train.profiling import StepProfiler
 from dstrain.train.progress import TrainProgress, log
-from dstrain.train.step import DataParallel, StepResult, train_step
+from dstrain.train.runtime import build_runtime
+from dstrain.train.step import StepResult, train_step
 from dstrain.train.summary import RunSummary, write_summary
 
 
@@ -60,19 +52,16 @@ class Trainer:
         self.device = self.world.device
         self.run_dir = config.run.root / config.run.name
         self._build_determinism()
-        self.model_args = resolve_model_args(config.model)
-        self.dims = self._build_dims()
-        self.meshes = build_meshes(self.dims, self.device.type) if self.world.backend else None
-        self.dp = self._build_data_parallel()
-        self.batch = self._build_batch()
+        runtime = build_runtime(config, self.world)
+        self.model_args, self.dims, self.meshes = runtime.model_args, runtime.dims, runtime.meshes
+        self.dp, self.batch = runtime.dp, runtime.batch
+        self.model, self.pipeline = runtime.model, runtime.pipeline
+        self.optimizer = runtime.optimizer
         self.tokenizer, self.dataset = build_dataset(
             config.data, vocab_size=self.model_args.vocab_size, seq_len=config.train.seq_len
         )
-        self.pipeline: Pipeline | None = None
-        self.model = self._build_model()
         self.probes = build_probes(config, self.device, self.meshes, self.model, self.pipeline)
         self.pipeline_timer = build_pipeline_timer(self.pipeline, self.probes)
-        self.optimizer = build_optimizer(self.model, config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.lr, config.train.steps)
         self.scaler = LossScaler(config.train.loss_scale, config.train.precision == "fp16")
         self.loader = self._build_loader()
@@ -110,21 +99,6 @@ class Trainer:
             # warn_only: an op without a deterministic kernel warns instead of killing the run.
             torch.use_deterministic_algorithms(True, warn_only=True)
 
-    def _build_dims(self) -> ParallelDims:
-        """The degrees, after the rules of `dstrain check` (the CLI ran them already; a Trainer
-        built in code runs them here): nothing the check accepts is refused later."""
-        dims = ParallelDims.of(self.config.parallel, self.world.world_size)
-        raise_if_errors(dims.validate())
-        target = CheckTarget(self.config, self.world.world_size, self.model_args, None)
-        raise_if_errors([f for f in run_rules(target) if f.key != "data.source"])
-        return dims
-
-    def _build_data_parallel(self) -> DataParallel:
-        if self.meshes is None or self.dims.dp == 1:
-            return DataParallel()
-        zero1 = self.config.parallel.zero_stage == 1
-        return DataParallel(self.meshes["dp"].get_group(), self.dims.dp, defer_sync=zero1)
-
     def _finish_grads(self) -> None:
         """Each rank's expert gradient is dp x (its ep group's tokens, every tp copy of them):
         summed over the ranks holding the same experts (edp) and divided by dp x tp, it is the
@@ -138,32 +112,6 @@ class Trainer:
             scale_expert_grads(self.model, edp.size() * scale)
         else:
             reduce_expert_grads(self.model, edp.get_group() if edp.size() > 1 else None, scale)
-
-    def _build_batch(self) -> BatchPlan:
-        t = self.config.train
-        plan, findings = resolve_batch(
-            t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, self.dims.dp
-        )
-        raise_if_errors(findings)
-        assert plan is not None
-        return plan
-
-    def _build_model(self) -> torch.nn.Module:
-        """The module to train, or under PP this rank's stages seen as one module. Built on
-        `meta`, parallelised (or carved into stages), and only then materialised: a rank
-        allocates its own shards, never the whole model; the layout-invariant initialiser gives
-        the weights of a one-process run with the same seed."""
-        model = build_model(self.model_args, device=None)
-        if self.dims.pp == 1:
-            return parallelize_model(model, self.config, self.meshes, device=self.device)
-        self.pipeline = build_pipeline(
-            model,
-            self.config,
-            self.meshes,
-            microbatches=self.batch.grad_accum_steps,
-            device=self.device,
-        )
-        return self.pipeline.model
 
     def _build_loader(self) -> DataLoader:
         dp_rank = self.meshes["dp"].get_local_rank() if self.dp.size > 1 else 0

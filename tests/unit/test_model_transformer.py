@@ -8,9 +8,9 @@ import torch
 
 from dstrain.config.model_args import ModelArgs
 from dstrain.model.flops import param_counts
+from dstrain.model.init import INIT_STD
 from dstrain.model.moe import MoE
 from dstrain.model.norm import RMSNorm
-from dstrain.model.init import INIT_STD
 from dstrain.model.transformer import Transformer, build_model
 
 # vocab_size differs from every other width, so a vocabulary-sized tensor is the embedding/head.
