@@ -3,8 +3,10 @@ the embedded corpus, on CPU)."""
 
 import argparse
 import os
+from dataclasses import asdict
 
-from dstrain.cli.common import add_config_args, console, non_negative_int, positive_int
+from dstrain.cli.common import add_config_args, console, non_negative_int, positive_int, print_json
+from dstrain.cli.dry_run import add_dry_run_args, dry_run_world, run_dry
 from dstrain.config.load import load_config
 from dstrain.config.preflight import preflight
 from dstrain.config.validate import raise_if_errors
@@ -34,6 +36,13 @@ examples:
   dstrain train --set data.source=corpus.jsonl --set data.text_field=content
   dstrain train --nproc 2 --max-restarts 3 --set checkpoint.interval=50
   dstrain train --profile-steps 5:7 --set metrics.prometheus_port=9400
+  dstrain train examples/deepseek-v3-h800x2048.toml --dry-run --world-size 2048 --rank 0 --json
+
+Dry run: --dry-run builds the given ranks' runtimes at any world size in this one CPU process,
+on torch's fake process group with the model on meta, and reports per rank the layers held,
+each mesh axis's group size, parameters, gradients and optimizer state (dense and expert), the
+peak while building, and the activation peak of one step under fake tensors. It checks the
+config first: an illegal layout prints the reasons and exits 1.
 
 Metrics: every metrics.log_interval steps a line here, metrics.jsonl and tb/ get the keys of
 docs/observability.md (loss, MFU, comm/exposed_fraction, pipeline bubble, memory, time per phase,
@@ -79,6 +88,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     group.add_argument(
         "--fresh", action="store_true", help="start from scratch, not from a checkpoint"
     )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the final summary (summary.json's figures) as JSON; with --dry-run, the "
+        "rank reports",
+    )
+    add_dry_run_args(parser)
     parser.set_defaults(func=run)
 
 
@@ -91,6 +107,10 @@ def run(args: argparse.Namespace) -> int:
     if args.profile_steps:
         overrides.append(f'metrics.profile_steps="{args.profile_steps}"')
     loaded = load_config(args.config, overrides)
+    if args.dry_run:
+        world = dry_run_world(args, loaded)
+        raise_if_errors(preflight(loaded, world_size=world))
+        return run_dry(args, loaded, world)
     worker = "LOCAL_RANK" in os.environ  # started by torchrun
     if worker:
         from dstrain.parallel.distributed import env_int  # imports torch: workers only
@@ -121,6 +141,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     summary = trainer.train()
     if not trainer.world.is_main:
+        return 0
+    if args.json:
+        print_json(asdict(summary) | {"run_dir": str(trainer.run_dir)})
         return 0
     console().print(
         f"done: {summary.steps} steps, loss {summary.final_loss:.4f}, "

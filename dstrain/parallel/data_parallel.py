@@ -26,6 +26,7 @@ Expert-parallel experts get an FSDP2 of their own over the ranks holding the sam
 """
 
 import inspect
+import warnings
 
 import torch
 from torch import nn
@@ -80,6 +81,9 @@ def apply_fsdp_experts(
     Reduce-scatter averages their gradients over `mesh`; the trainer rescales them afterwards
     (`set_gradient_divide_factor` would need PREMUL_SUM, which gloo lacks)."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # The experts' output is a view of the combine all-to-all's; FSDP2 warns that an in-place op
+    # on it would skip its backward hook. The MoE only uses it out of place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPExpertParallel")
     for module in experts:
         fully_shard(
             module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward
@@ -101,6 +105,8 @@ def apply_ddp(
         # than one bucket in flight, gloo ranks can issue them in different orders ("Received
         # data size doesn't match expected size"). One bucket keeps them in order.
         bucket_cap_mb=10_000 if comm.compression == "powersgd" else 25,
+        # Gradients live in the buckets rather than beside them: one copy, not two.
+        gradient_as_bucket_view=True,
         **_NO_BUFFER_SYNC,
     )
     _register_compression(ddp, mesh, comm)

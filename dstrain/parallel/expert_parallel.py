@@ -69,7 +69,12 @@ def apply_ep(model: Transformer | MoE, ep_mesh: DeviceMesh) -> None:
 
 class ExpertParallelExperts(nn.Module):
     """The E grouped SwiGLU experts of `GroupedExperts`, L of them on this rank; same contract:
-    forward(x sorted by global expert [T, D], counts over all E experts) -> [T, D], same order."""
+    forward(x sorted by global expert [T, D], counts over all E experts) -> [T, D], same order.
+
+    `balanced` (a dry run on the fake process group, whose tensors hold no data): every rank
+    sends and receives an equal share of its rows, so the split sizes need no data."""
+
+    balanced = False
 
     def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh) -> None:
         super().__init__()
@@ -87,11 +92,14 @@ class ExpertParallelExperts(nn.Module):
     def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         group = self.ep_mesh.get_group()
         W, L = self.ep_mesh.size(), self.num_local_experts
-        # recv_WL[i, l]: rows rank i sends to my local expert l (even splits of L counts).
-        # Through the module (not imported names): the communication timer counts these.
-        recv_WL = funcol.all_to_all_single(counts_E, None, None, group).view(W, L)
-        # Host-device sync: the all-to-all split sizes must be Python ints (one .tolist()).
-        send_W, recv_W = torch.stack([counts_E.view(W, L).sum(1), recv_WL.sum(1)]).tolist()
+        if self.balanced:
+            recv_WL, send_W, recv_W = _balanced_splits(x_TD, W, L)
+        else:
+            # recv_WL[i, l]: rows rank i sends to my local expert l (even splits of L counts).
+            # Through the module (not imported names): the communication timer counts these.
+            recv_WL = funcol.all_to_all_single(counts_E, None, None, group).view(W, L)
+            # Host-device sync: the all-to-all split sizes must be Python ints (one .tolist()).
+            send_W, recv_W = torch.stack([counts_E.view(W, L).sum(1), recv_WL.sum(1)]).tolist()
         x_RD = label_backward(funcol.all_to_all_single_autograd(x_TD, recv_W, send_W, group), "ep")
         order_R, inverse_R = _by_local_expert(recv_WL, sum(recv_W))
         y_RD = self._local_experts(x_RD[order_R], recv_WL.sum(0))[inverse_R]
@@ -102,6 +110,15 @@ class ExpertParallelExperts(nn.Module):
         # GroupedExperts.forward on the local shards.
         w1_LFD, w2_LDF, w3_LFD = (getattr(self, n).to_local() for n in EXPERT_WEIGHTS)
         return grouped_swiglu(x_RD, w1_LFD, w2_LDF, w3_LFD, counts_L)
+
+
+def _balanced_splits(x_TD: torch.Tensor, W: int, L: int) -> tuple[torch.Tensor, list, list]:
+    """Routing as if perfectly balanced: T rows split as evenly as whole rows allow."""
+    T = x_TD.size(0)
+    send_W = [T // W + (1 if i < T % W else 0) for i in range(W)]
+    per_expert = [[n // L + (1 if j < n % L else 0) for j in range(L)] for n in send_W]
+    recv_WL = torch.tensor(per_expert, device=x_TD.device)
+    return recv_WL, send_W, list(send_W)
 
 
 def _by_local_expert(recv_WL: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:

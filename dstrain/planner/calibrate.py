@@ -28,7 +28,6 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from dstrain.config.batch import resolve_batch
 from dstrain.config.flavors import resolve_model_args
 from dstrain.config.load import load_config
 from dstrain.config.model_args import ModelArgs
@@ -37,7 +36,7 @@ from dstrain.hardware import GPUSpec, gpu_from_device_name
 from dstrain.planner.comm import CommConstants
 from dstrain.planner.compute import ComputeConstants
 from dstrain.planner.estimate import Constants, estimate
-from dstrain.planner.layout import Cluster, Layout
+from dstrain.planner.layout import Cluster, Layout, layout_from_config
 from dstrain.planner.memory import GiB, resting_model_states
 
 CPU_MEMORY_TBPS = 0.2  # nominal: cache bandwidth (small models live in cache); fitted share of it
@@ -104,7 +103,7 @@ def read_run(path: Path, summary: dict, series: Mapping[str, Any]) -> Run:
     config = load_config(path / "config.toml").config
     world = int(summary["world_size"])
     lines = _after_warmup(path, series)
-    layout = _layout(config, world)
+    layout = layout_from_config(config, world)
     cluster = _cluster(summary, config, lines, world)
     return Run(path, resolve_model_args(config.model), layout, cluster, _measured(lines))
 
@@ -149,32 +148,6 @@ def _measured(lines: dict[str, list[float]]) -> Measured:
         step_s=step,
         exposed_s=exposed,
         model_states_bytes=_median(lines, "memory/model_states_mb") * 2**20,
-    )
-
-
-def _layout(config, world: int) -> Layout:
-    p, t = config.parallel, config.train
-    others = p.dp_replicate * p.cp * p.tp * p.pp
-    dp = p.dp_replicate * (p.dp_shard if p.dp_shard > 0 else world // others)
-    plan, _ = resolve_batch(t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, dp)
-    if plan is None:
-        raise UserError("the run's batch sizes do not resolve", "check its config.toml")
-    return Layout(
-        dp=dp,
-        tp=p.tp,
-        pp=p.pp,
-        ep=p.ep,
-        cp=p.cp,
-        zero=p.zero_stage,
-        micro_batch=plan.micro_batch_size,
-        global_batch=plan.global_batch_size,
-        seq_len=t.seq_len,
-        schedule=p.pp_schedule,
-        virtual_stages=p.num_virtual_stages,
-        recompute=t.activation_checkpoint,
-        precision=t.precision,
-        sequence_parallel=p.sequence_parallel,
-        offload=p.offload_optimizer,
     )
 
 

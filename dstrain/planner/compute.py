@@ -27,7 +27,7 @@ from dstrain.config.model_args import ModelArgs
 from dstrain.model.flops import score_head_dims
 from dstrain.planner.layout import Cluster, Layout
 from dstrain.planner.memo import per_model
-from dstrain.planner.memory import state_bytes
+from dstrain.planner.memory import GRAD_BYTES, MASTER_BYTES, moment_bytes
 from dstrain.planner.shape import RankShape
 
 ELEMENTWISE_PASSES = 16  # reads and writes of a hidden-size tensor per layer, per token
@@ -132,11 +132,11 @@ class _Chip:
 def optimizer_seconds(
     params: float, layout: Layout, cluster: Cluster, consts: ComputeConstants | None = None
 ) -> float:
-    """AdamW's step over the `params` this rank updates: memory-bound, it reads the weights,
-    gradients and both moments (and the master copy) and writes all but the gradients once."""
-    weight, grad, state = state_bytes(layout.precision, layout.adam_moments)
+    """AdamW's step over the `params` this rank updates: memory-bound, it reads the fp32 weights,
+    gradients and both moments and writes the weights and moments once."""
+    state = MASTER_BYTES + moment_bytes(layout.adam_moments)
     chip = _Chip(cluster, layout.precision, consts or ComputeConstants())
-    return chip.stream(params * (2 * weight + grad + 2 * state))
+    return chip.stream(params * (GRAD_BYTES + 2 * state))
 
 
 def _layer(

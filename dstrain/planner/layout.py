@@ -6,7 +6,10 @@ experts' own data-parallel degree is dp x cp x tp / ep.
 """
 
 from dataclasses import dataclass
+from typing import Any
 
+from dstrain.config.batch import resolve_batch
+from dstrain.errors import UserError
 from dstrain.hardware import GPUSpec
 
 RECOMPUTE = ("none", "selective", "full")
@@ -97,3 +100,30 @@ class Cluster:
         if group_span <= self.gpus_per_node:
             return self.gpu.intra_node_gbps
         return self.inter_node_gbps
+
+
+def layout_from_config(config: Any, world: int) -> Layout:
+    """The planner's layout of a run's config (a `DstrainConfig`) on `world` ranks."""
+    p, t = config.parallel, config.train
+    others = p.dp_replicate * p.cp * p.tp * p.pp
+    dp = p.dp_replicate * (p.dp_shard if p.dp_shard > 0 else world // others)
+    plan, _ = resolve_batch(t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, dp)
+    if plan is None:
+        raise UserError("the run's batch sizes do not resolve", "`dstrain check` the config")
+    return Layout(
+        dp=dp,
+        tp=p.tp,
+        pp=p.pp,
+        ep=p.ep,
+        cp=p.cp,
+        zero=p.zero_stage,
+        micro_batch=plan.micro_batch_size,
+        global_batch=plan.global_batch_size,
+        seq_len=t.seq_len,
+        schedule=p.pp_schedule,
+        virtual_stages=p.num_virtual_stages,
+        recompute=t.activation_checkpoint,
+        precision=t.precision,
+        sequence_parallel=p.sequence_parallel,
+        offload=p.offload_optimizer,
+    )

@@ -1,17 +1,25 @@
 """Memory per GPU of a layout: model states (ZeRO), activations (per schedule), overheads.
 
-Model states, per parameter (ZeRO paper, Rajbhandari et al. 2020, sec. 3.1, mixed-precision
-Adam): 2 bytes of 16-bit weights, 2 of 16-bit gradients and K = 12 of optimizer state (fp32
-master weights, momentum and variance), 16 bytes in all. ZeRO-1 shards the 12 over the N_d
-data-parallel ranks, ZeRO-2 also the gradients, ZeRO-3 also the weights:
+Model states as dstrain's runtime holds them (`dstrain/parallel/state_bytes.py` counts the same
+from a built runtime, and `dstrain train --dry-run` reports it), per parameter P over the S ranks
+that shard it, w = 2 bytes of gathered bf16 weights (4 under fp32 and fp16, which train fp32
+weights under autocast), fp32 master weights and gradients (Megatron's distributed optimizer;
+DeepSeek-V3 report sec. 3.3.3), K = 8 bytes of Adam moments (4 in bf16):
 
-    ZeRO-0  (2 + 2 + 12) P        ZeRO-2  2P + (2 + 12) P / N_d
-    ZeRO-1  (2 + 2) P + 12 P / N_d    ZeRO-3  16 P / N_d
+    ZeRO-0 (DDP)   4P + 4P + K P
+    ZeRO-1         (4P/S + w P) + 4P + K P/S      weights gathered once per step, gradients
+                                                   accumulated unsharded and reduced once
+    ZeRO-2         (4P/S + w P) + 4P/S + K P/S    (under PP as ZeRO-1: the stages defer the sync)
+    ZeRO-3         4P/S + 4P/S + K P/S            (+ the largest layer gathered twice: overhead)
 
-(7.5B parameters on 64 GPUs: 120, 31.4, 16.6 and 1.9 GB, the paper's Figure 1.) Dense parameters
-shard over dp x cp (the trainer's FSDP mesh), routed experts over their own data-parallel ranks
-(dp x cp x tp / ep). `offload` keeps the optimizer's 12 bytes in host memory. fp8 training keeps
-16-bit weights and adds no state here (per-tensor scales are negligible).
+Offload keeps the sharded master weights, gradients and moments in host memory. The ZeRO
+paper's own accounting (Rajbhandari et al. 2020, sec. 3.1: 2 + 2 + 12 bytes, fp16 gradients) is
+`paper_model_states`; it reproduces the paper's Figure 1 (7.5B parameters on 64 GPUs: 120, 31.4,
+16.6 and 1.9 GB), and differs from the runtime's by the fp32 gradients (and, at ZeRO-3, nothing).
+Dense parameters shard over dp x cp (the trainer's FSDP mesh), routed experts over their own
+data-parallel ranks (dp x cp x tp / ep); under offload the trainer keeps expert-parallel experts
+out of FSDP2, so they count as under DDP. fp8 training keeps 16-bit weights and adds no state here
+(per-tensor scales are negligible).
 
 Activations: the tensors each layer saves for backward, counted per token in the manner of
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", sec.
@@ -46,9 +54,9 @@ from dstrain.planner.memo import per_model
 from dstrain.planner.shape import RankShape, rank_shapes
 
 GiB = 2**30
-WEIGHT_BYTES = 2
-GRAD_BYTES = 2
-OPTIMIZER_BYTES = 12
+MASTER_BYTES = 4  # fp32 weights: DDP's parameters, FSDP2's shards
+GRAD_BYTES = 4  # fp32 gradients (FSDP2's reduce dtype; DDP's fp32 parameters)
+PAPER_BYTES = (2, 2, 12)  # the ZeRO paper's weights, gradients and optimizer states
 ROUTING_HEADROOM = 1.25
 FIXED_OVERHEAD_BYTES = 3 * GiB
 FRAGMENTATION = 0.10
@@ -85,15 +93,15 @@ class Memory:
         }
 
 
-def state_bytes(precision: str, moments: str = "fp32") -> tuple[int, int, int]:
-    """(weight, gradient, optimizer) bytes per parameter: mixed precision keeps 16-bit weights
-    and gradients and fp32 master weights + Adam moments (2, 2, 12); fp32 training has no
-    master copy: fp32 weights and gradients and the two moments (4, 4, 8). bf16 moments (as
-    DeepSeek-V3 keeps them, report sec. 3.3.3) save 4 bytes of the 12 (or 8)."""
-    saved = 4 if moments == "bf16" else 0
-    if precision == "fp32":
-        return 4, 4, 8 - saved
-    return WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES - saved
+def gathered_bytes(precision: str) -> int:
+    """Bytes of a weight as FSDP2 gathers it: bf16 under bf16 (and fp8: bf16 master copies),
+    fp32 otherwise (fp16 trains fp32 weights under autocast)."""
+    return 2 if precision in ("bf16", "fp8") else 4
+
+
+def moment_bytes(moments: str = "fp32") -> int:
+    """Adam's two moments: fp32 (the trainer), or bf16 (DeepSeek-V3, report sec. 3.3.3)."""
+    return 4 if moments == "bf16" else 8
 
 
 def model_state_bytes(
@@ -103,13 +111,28 @@ def model_state_bytes(
     offload: bool,
     precision: str = "bf16",
     moments: str = "fp32",
-) -> tuple[float, ...]:
-    """(weights, gradients, optimizer) bytes of `params` parameters sharded over `shard` ranks."""
-    weight, grad, state = state_bytes(precision, moments)
+    pp: int = 1,
+) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes on the device of `params` parameters sharded over
+    `shard` ranks, as the runtime holds them at the step's peak (module docstring)."""
+    k = moment_bytes(moments)
+    if zero == 0:
+        return MASTER_BYTES * params, GRAD_BYTES * params, k * params
+    gathered = gathered_bytes(precision) * params if zero <= 2 else 0.0
+    if offload:  # FSDP2's CPUOffloadPolicy: shards, their gradients and the step on the host
+        return gathered, 0.0, 0.0
+    deferred = zero == 1 or (zero == 2 and pp > 1)
+    grads = GRAD_BYTES * params / (1 if deferred else shard)
+    return MASTER_BYTES * params / shard + gathered, grads, k * params / shard
+
+
+def paper_model_states(params: float, zero: int, shard: int) -> tuple[float, float, float]:
+    """The ZeRO paper's mixed-precision Adam accounting (sec. 3.1): 2 + 2 + 12 bytes, ZeRO-1
+    sharding the 12, ZeRO-2 the gradients too, ZeRO-3 everything."""
+    weight, grad, state = PAPER_BYTES
     weights = weight * params / (shard if zero >= 3 else 1)
     grads = grad * params / (shard if zero >= 2 else 1)
-    optimizer = 0.0 if offload else state * params / (shard if zero >= 1 else 1)
-    return weights, grads, optimizer
+    return weights, grads, state * params / (shard if zero >= 1 else 1)
 
 
 def memory_per_gpu(args: ModelArgs, layout: Layout, cluster: Cluster | None = None) -> Memory:
@@ -122,38 +145,47 @@ def memory_per_gpu(args: ModelArgs, layout: Layout, cluster: Cluster | None = No
 
 def resting_model_states(args: ModelArgs, layout: Layout) -> float:
     """Model states between steps on the rank holding the most, what the trainer's
-    memory/model_states_mb counts (max over ranks): ZeRO-2's gathered weights are sharded again
-    by then (FSDP2 reshards after backward), so its weights count sharded."""
+    memory/model_states_mb counts (max over ranks): each parameter's local shard, a gradient of
+    its size, and the optimizer's moments; FSDP2's gathered weights are freed by then."""
     best = 0.0
+    k = moment_bytes(layout.adam_moments)
     for shape in rank_shapes(args, layout):
-        m = _rank_memory(args, layout, shape)
-        weights = m.weights / (layout.dp * layout.cp) if layout.zero == 2 else m.weights
-        best = max(best, weights + m.gradients + m.optimizer)
+        total = 0.0
+        for params, shard, zero in _parts(shape, layout):
+            local = params / (shard if zero >= 1 else 1)
+            total += (MASTER_BYTES + GRAD_BYTES + k) * local
+        best = max(best, total)
     return best
 
 
+def _parts(shape: RankShape, layout: Layout) -> list[tuple[float, int, int]]:
+    """(parameters, ranks sharding them, ZeRO stage they run under) of the dense parameters and
+    the routed experts; expert-parallel experts stay out of FSDP2 under offload (DDP-like)."""
+    expert_zero = 0 if layout.offload and layout.ep > 1 else layout.zero
+    return [
+        (shape.dense_params, layout.dp * layout.cp, layout.zero),
+        (shape.expert_params, layout.expert_shard, expert_zero),
+    ]
+
+
 def _rank_memory(args: ModelArgs, layout: Layout, shape: RankShape) -> Memory:
-    dense = model_state_bytes(
-        shape.dense_params,
-        layout.zero,
-        layout.dp * layout.cp,
-        layout.offload,
-        layout.precision,
-        layout.adam_moments,
-    )
-    experts = model_state_bytes(
-        shape.expert_params,
-        layout.zero,
-        layout.expert_shard,
-        layout.offload,
-        layout.precision,
-        layout.adam_moments,
-    )
-    weights, grads, optimizer = (d + e for d, e in zip(dense, experts, strict=True))
+    parts = [
+        model_state_bytes(
+            params,
+            zero,
+            shard,
+            layout.offload and zero > 0,
+            layout.precision,
+            layout.adam_moments,
+            layout.pp,
+        )
+        for params, shard, zero in _parts(shape, layout)
+    ]
+    weights, grads, optimizer = (sum(part[i] for part in parts) for i in range(3))
     activations = activation_bytes(args, layout, shape)
     overhead = FIXED_OVERHEAD_BYTES + FRAGMENTATION * activations
     if layout.zero >= 3:
-        overhead += 2 * WEIGHT_BYTES * _largest_layer_params(shape)
+        overhead += 2 * gathered_bytes(layout.precision) * _largest_layer_params(shape)
     return Memory(weights, grads, optimizer, activations, overhead, shape.rank)
 
 

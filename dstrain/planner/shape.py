@@ -11,7 +11,8 @@ dualpipev), as `torch.distributed.pipelining` places them.
 Parameter placement (the trainer's): attention projections, dense FFNs and shared experts are
 split tp ways (Megatron-LM); MLA's down-projections (wq_a, wkv_a), norms and routers are
 replicated across tp and counted whole; routed experts are split ep ways (whole experts per
-rank, no expert TP); the embedding and the head are vocabulary-parallel over tp.
+rank, no expert TP); the embedding and the head are vocabulary-parallel over tp. Under PP the
+last stage holds a copy of the embedding for the MTP modules (`parallel/pipeline.py`).
 """
 
 from dataclasses import dataclass
@@ -87,7 +88,9 @@ def _rank_shapes(
         layers = [i for s in stages for i in split[s]]
         moe = sum(1 for i in layers if _is_moe(args, i))
         shapes.append(
-            _shape(args, rank, len(layers) - moe, moe, 0 in stages, last_stage in stages, tp, ep)
+            _shape(
+                args, rank, len(layers) - moe, moe, 0 in stages, last_stage in stages, tp, ep, pp
+            )
         )
     return tuple(shapes)
 
@@ -105,6 +108,7 @@ def _shape(
     head: bool,
     tp: int,
     ep: int,
+    pp: int,
 ) -> RankShape:
     dense_block, moe_block = block_params(args, moe=False), block_params(args, moe=True)
     dense = dense_layers * _dense_part(dense_block, args, tp) + moe_layers * _dense_part(
@@ -118,6 +122,8 @@ def _shape(
         mtp = mtp_module_params(args)
         dense += args.num_mtp_modules * (_dense_part(mtp.block, args, tp) + mtp.own)
         experts += args.num_mtp_modules * mtp.block.routed_experts / ep
+        if args.num_mtp_modules and pp > 1:  # the last stage's copy of the embedding for MTP
+            dense += args.vocab_size * args.dim / tp
     return RankShape(rank, dense_layers, moe_layers, embedding, head, dense, experts)
 
 

@@ -1,5 +1,7 @@
 """The parity matrix: every layout against one process (DDP, ZeRO-1/2/3, CPU offload, HSDP, TP,
-TP + SP, EP, and their combinations).
+TP + SP, EP, and their combinations). ZeRO-1 (FSDP2 with the gradient sync deferred to the last of
+each rank's 2 micro-batches) at dp2, dp4 and dp2 x ep2; pp2 x dp2 with DualPipeV in the pipeline
+tests.
 
 Every layout trains the debug flavor for 8 steps from the same weights on the same global batch
 (16 sequences: 4 micro-batches of 4 on one process, 2 of 4 on each of 2 ranks). Per-step losses
@@ -134,9 +136,11 @@ TWO_RANKS_ND = {
     "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
     "ep2_ddp": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero_stage=0"],
     "ep2_fsdp": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero_stage=2"],
+    "ep2_zero1": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero_stage=1"],
     "tp2_ep2": ["parallel.tp=2", "parallel.ep=2"],
 }
 FOUR_RANKS_ND = {
+    "dp4_zero1": ["parallel.dp_shard=4", "parallel.zero_stage=1"],
     "dp2_tp2": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.zero_stage=2"],
     "dp4_ep2": ["parallel.dp_shard=4", "parallel.ep=2", "parallel.zero_stage=3"],
     "hsdp_ep2": [

@@ -40,6 +40,15 @@ FOUR_RANKS = {
     "pp4_1f1b": ["parallel.pp=4", "parallel.pp_schedule=1f1b"],
     "pp2_dp2_ddp": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=0"],
     "pp2_dp2_zero1": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=1"],
+    "pp2_dp2_zero1_dualpipev": [  # DeepSeek-V3's layout in small: DualPipeV x EP x ZeRO-1
+        "parallel.pp=2",
+        "parallel.dp_shard=2",
+        "parallel.ep=2",
+        "parallel.zero_stage=1",
+        "parallel.pp_schedule=dualpipev",
+        "parallel.num_virtual_stages=2",
+        "train.micro_batch_size=2",
+    ],
     "pp2_dp2_zero2_zbv": [
         "parallel.pp=2",
         "parallel.dp_shard=2",

@@ -2,9 +2,10 @@
 after it have the losses of the uninterrupted one-process run.
 
 The run of the parity matrix (8 steps); the first 4 are trained and checkpointed under
-dp_shard2 x ep2 (FSDP), pp2 (with the MTP copy of the embedding) and tp2 + SP. Copies of those
-run directories then resume to step 8 under tp2, pp2, dp_shard2 x ep2, dp_shard4 (ZeRO-3),
-pp2 x dp2 and one process. The data position is a global sample count, so it continues exactly
+dp_shard2 x ep2 (FSDP), pp2 (with the MTP copy of the embedding), tp2 + SP and dp_shard2 ZeRO-1.
+Copies of those run directories then resume to step 8 under tp2, pp2, dp_shard2 x ep2 (ZeRO-1
+and -2), dp_shard2 ZeRO-2, dp_shard4 (ZeRO-3), pp2 x dp2 (ZeRO-1 and -2) and one process: dp,
+tp, ep, pp and the ZeRO stage all change. The data position is a global sample count, so it continues exactly
 when dp changes (2 -> 4, 2 -> 1): a wrong position would change every later loss.
 """
 
@@ -26,6 +27,7 @@ SAVED = {
     "save_ep2": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero_stage=2"],
     "save_pp2": ["parallel.pp=2"],
     "save_tp2": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "save_zero1": ["parallel.dp_shard=2", "parallel.zero_stage=1"],
 }
 LAYOUTS = {
     "tp2": ["parallel.tp=2"],
@@ -33,11 +35,19 @@ LAYOUTS = {
     "ep2": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero_stage=2"],
     "dp4_zero3": ["parallel.dp_shard=4", "parallel.zero_stage=3"],
     "pp2_dp2": ["parallel.pp=2", "parallel.dp_shard=2"],
+    "dp2_zero2": ["parallel.dp_shard=2", "parallel.zero_stage=2"],
+    "ep2_zero1": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero_stage=1"],
+    "pp2_dp2_zero1": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=1"],
 }
 TWO_RANKS = {"ep2_to_tp2": ("save_ep2", "tp2"), "ep2_to_pp2": ("save_ep2", "pp2")}
 TWO_RANKS |= {"pp2_to_ep2": ("save_pp2", "ep2"), "tp2_to_pp2": ("save_tp2", "pp2")}
+TWO_RANKS |= {"zero1_to_zero2": ("save_zero1", "dp2_zero2"), "zero1_to_pp2": ("save_zero1", "pp2")}
+TWO_RANKS |= {"tp2_to_zero1_ep2": ("save_tp2", "ep2_zero1")}
 FOUR_RANKS = {"ep2_to_dp4": ("save_ep2", "dp4_zero3"), "pp2_to_pp2dp2": ("save_pp2", "pp2_dp2")}
+FOUR_RANKS |= {"zero1_to_dp4": ("save_zero1", "dp4_zero3")}
+FOUR_RANKS |= {"ep2_to_pp2_zero1": ("save_ep2", "pp2_dp2_zero1")}
 ONE_PROCESS = {"ep2_to_one": "save_ep2", "pp2_to_one": "save_pp2", "tp2_to_one": "save_tp2"}
+ONE_PROCESS |= {"zero1_to_one": "save_zero1"}
 
 
 def _resumable(common: list[str]) -> list[str]:

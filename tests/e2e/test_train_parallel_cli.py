@@ -3,6 +3,7 @@ agent inside dstrain) and `torchrun -m dstrain.train` (what a multi-node job run
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -34,8 +35,8 @@ def common(tmp_path_factory) -> list[str]:
     return [arg for o in overrides for arg in ("--set", o)]
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run(
         [sys.executable, *args], capture_output=True, text=True, timeout=300, env=env, cwd=REPO
     )
@@ -103,24 +104,43 @@ def test_a_layout_that_does_not_fit_fails_before_any_process(common):
 
 
 def test_a_failing_worker_takes_the_job_down_with_its_rank(common):
-    # ZeRO-1 with checkpoints passes the pre-flight but every worker refuses it at start-up.
     done = _run(
-        "-m",
-        "dstrain",
-        "train",
-        "--nproc",
-        "2",
-        *common,
-        "--set",
-        "run.name=fail",
-        "--set",
-        "parallel.zero_stage=1",
-        "--set",
-        "checkpoint.enable=true",
-    )
+        "-m", "dstrain", "train", "--nproc", "2", *common, "--set", "run.name=fail",
+        env={"DSTRAIN_INJECT_FAULT": "kill:rank=1:step=2"},
+    )  # fmt: skip
     assert done.returncode == 1
-    assert "rank 0 failed" in done.stderr or "rank 1 failed" in done.stderr
-    assert "ZeRO-1" in done.stderr
+    assert "rank 1 failed" in done.stderr, done.stderr
+
+
+def test_zero1_checkpoints_resume_under_zero2_and_pp2(common, tmp_path):
+    """The issue's acceptance run: dp2 ZeRO-1 with checkpoints, cut after step 5, resumes from
+    its step-4 checkpoint under dp_shard2 ZeRO-2 and under pp2, and `dstrain loss-compare`
+    passes against the uninterrupted run."""
+    zero1 = [*common, "--set", "train.steps=8", "--set", "checkpoint.interval=4"]
+    zero1 += ["--set", "train.global_batch_size=8"]
+    zero1 += ["--set", "parallel.dp_shard=2", "--set", "parallel.zero_stage=1"]
+    reference = _run("-m", "dstrain", "train", "--nproc", "2", *zero1, "--set", "run.name=z1")
+    assert reference.returncode == 0, reference.stderr
+    cut = _run(
+        "-m", "dstrain", "train", "--nproc", "2", *zero1, "--set", "run.name=z1_cut",
+        env={"DSTRAIN_INJECT_FAULT": "kill:rank=1:step=6"},
+    )  # fmt: skip
+    assert cut.returncode != 0
+    runs = run_root(common)
+    assert (runs / "z1_cut" / "checkpoints" / "step-4").is_dir()
+    layouts = {
+        "z1_to_z2": ["--set", "parallel.zero_stage=2"],
+        "z1_to_pp2": ["--set", "parallel.pp=2", "--set", "parallel.dp_shard=1"],
+    }
+    for name, layout in layouts.items():
+        shutil.copytree(runs / "z1_cut", runs / name)
+        resumed = _run(
+            "-m", "dstrain", "train", "--nproc", "2", *zero1, *layout, "--set", f"run.name={name}"
+        )
+        assert resumed.returncode == 0, resumed.stderr
+        assert "resumed from" in resumed.stderr and "at step 4" in resumed.stderr
+        compared = _run("-m", "dstrain", "loss-compare", str(runs / "z1"), str(runs / name))
+        assert compared.returncode == 0, compared.stdout + compared.stderr
 
 
 def test_resume_under_another_layout_reshards(common):

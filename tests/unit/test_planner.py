@@ -16,7 +16,12 @@ from dstrain.planner.compute import ComputeConstants, _Chip
 from dstrain.planner.estimate import estimate
 from dstrain.planner.layout import Cluster, Layout
 from dstrain.planner.legal import trainer_errors
-from dstrain.planner.memory import in_flight, memory_per_gpu, model_state_bytes
+from dstrain.planner.memory import (
+    in_flight,
+    memory_per_gpu,
+    model_state_bytes,
+    paper_model_states,
+)
 from dstrain.planner.search import search
 from tests.conftest import REPO, run_cli
 
@@ -43,9 +48,19 @@ V3_LAYOUT = Layout(
     [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)],  # ZeRO paper, Figure 1: 7.5B params, N_d 64
 )
 def test_model_states_of_the_zero_paper(zero, gb):
-    assert sum(model_state_bytes(7.5e9, zero, 64, offload=False)) / 1e9 == pytest.approx(
-        gb, abs=0.06
-    )
+    assert sum(paper_model_states(7.5e9, zero, 64)) / 1e9 == pytest.approx(gb, abs=0.06)
+
+
+def test_runtime_model_states_keep_fp32_gradients():
+    """dstrain's own accounting: fp32 gradients (Megatron, DeepSeek-V3), gathered bf16 weights
+    beside the fp32 shards under ZeRO-1/2."""
+    P, S = 7.5e9, 64
+    assert sum(model_state_bytes(P, 0, S, offload=False)) == 16 * P
+    assert model_state_bytes(P, 1, S, offload=False) == (4 * P / S + 2 * P, 4 * P, 8 * P / S)
+    assert model_state_bytes(P, 2, S, offload=False)[1] == 4 * P / S
+    assert model_state_bytes(P, 2, S, offload=False, pp=2)[1] == 4 * P  # deferred under PP
+    assert sum(model_state_bytes(P, 3, S, offload=False)) == 16 * P / S
+    assert model_state_bytes(P, 2, S, offload=True) == (2 * P, 0.0, 0.0)
 
 
 def test_deepseek_v3_published_layout_is_legal_and_fits_in_80_gb():
@@ -308,7 +323,7 @@ def test_the_descent_finds_a_minimum_inside_the_bounds():
     assert found.attention_efficiency == BOUNDS["attention_efficiency"][1]
 
 
-def test_bf16_adam_moments_save_a_third_of_the_optimizer_states():
+def test_bf16_adam_moments_halve_the_moments():
     fp32 = model_state_bytes(1e9, 1, 1, offload=False)[2]
     bf16 = model_state_bytes(1e9, 1, 1, offload=False, moments="bf16")[2]
-    assert (fp32, bf16) == (12e9, 8e9)
+    assert (fp32, bf16) == (8e9, 4e9)

@@ -1,0 +1,286 @@
+"""A dry run: rank R's real runtime at any world size, built in one CPU process on torch's fake
+process-group backend, with the model left on `meta`.
+
+The same code path as training (`runtime.build_runtime`: the check's rules, meshes,
+`parallelize_model` or the pipeline stages, the optimizer), then, where it can, one step under
+fake tensors (no data, no compute) with torch's memory tracker. It needs no GPU and no network.
+
+What it reports per rank (`RankReport`): the mesh coordinates and the size of every axis's group;
+the stages and layers held; parameters, gradients and optimizer state in bytes, dense and expert
+(`dstrain/parallel/state_bytes.py`); the peak while building (the local shards, buffers and the
+initialiser's largest draw: the old path held the whole fp32 model, `full_model_bytes`); and the
+activation peak of the step where one ran. Under PP the step runs each of the rank's stages on one
+micro-batch (the saved activations it holds until that micro-batch's backward, and the
+transient of the backward itself), and the schedule's order on this rank (upstream's, via the
+simulator) says how many of each it holds at once.
+"""
+
+import contextlib
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from dstrain.config.schema import DstrainConfig
+from dstrain.model.init import BLOCK_ELEMENTS
+from dstrain.model.transformer import Transformer
+from dstrain.parallel.distributed import World
+from dstrain.parallel.expert_parallel import ExpertParallelExperts
+from dstrain.parallel.mesh import Meshes
+from dstrain.parallel.pipeline_sim import schedule_actions
+from dstrain.parallel.state_bytes import FP32, state_bytes
+from dstrain.planner.stages import V_SHAPED
+from dstrain.train.runtime import Runtime, build_runtime
+from dstrain.train.step import autocast
+
+AXES = ("pp", "dp_replicate", "dp_shard", "tp", "ep", "efsdp")
+
+
+@dataclass
+class RankReport:
+    rank: int
+    world_size: int
+    coords: dict[str, int]  # this rank's index on each mesh axis
+    groups: dict[str, int]  # the size of each mesh axis's group
+    stages: list[dict[str, Any]]  # per stage held: index, layers, embed/head/mtp
+    params_bytes: dict[str, float]
+    grads_bytes: dict[str, float]
+    optimizer_bytes: dict[str, float]
+    host_bytes: float  # offloaded to the CPU
+    model_states_bytes: float
+    build_peak_bytes: float
+    full_model_bytes: float  # the old path: every rank built the whole fp32 model
+    activation_peak_bytes: float | None = None
+    step: str = "not run"
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def dry_run_rank(config: DstrainConfig, world_size: int, rank: int, step: bool) -> RankReport:
+    """Build `rank`'s runtime on the fake backend and report it; the group is torn down after."""
+    began = time.perf_counter()
+    dist.init_process_group("fake", rank=rank, world_size=world_size)
+    try:
+        world = World(rank, world_size, rank % max(1, world_size), torch.device("meta"), "fake")
+        runtime = build_runtime(config, world, materialize=False)
+        built = time.perf_counter()
+        report = _report(config, runtime, rank, world_size)
+        report.seconds["build"] = built - began
+        if step:
+            report.activation_peak_bytes, report.step = _step(config, runtime)
+            report.seconds["step"] = time.perf_counter() - built
+    finally:
+        dist.destroy_process_group()
+    report.seconds["total"] = time.perf_counter() - began
+    return report
+
+
+def _report(config: DstrainConfig, runtime: Runtime, rank: int, world_size: int) -> RankReport:
+    states = state_bytes(runtime.model, config, runtime.dims.pp)
+    full = _full_model_bytes(runtime)
+    return RankReport(
+        rank=rank,
+        world_size=world_size,
+        coords=_coords(runtime.meshes),
+        groups=_groups(runtime.meshes),
+        stages=_stages(runtime),
+        params_bytes=states.params,
+        grads_bytes=states.grads,
+        optimizer_bytes=states.optimizer,
+        host_bytes=states.host,
+        model_states_bytes=states.total,
+        build_peak_bytes=_build_peak(runtime.model),
+        full_model_bytes=full,
+    )
+
+
+def _coords(meshes: Meshes) -> dict[str, int]:
+    return {axis: meshes[axis].get_local_rank() for axis in AXES}
+
+
+def _groups(meshes: Meshes) -> dict[str, int]:
+    sizes = {axis: meshes[axis].size() for axis in AXES}
+    return sizes | {"dp": meshes["dp"].size(), "edp": meshes["edp"].size()}
+
+
+def _stages(runtime: Runtime) -> list[dict[str, Any]]:
+    if runtime.pipeline is None:
+        model = runtime.model
+        layers = [int(k) for k in model.layers] if hasattr(model, "layers") else []
+        return [{"stage": 0, "layers": layers, "embed": True, "head": True, "mtp": True}]
+    out = []
+    for stage in runtime.pipeline.stages:
+        chunk = _chunk(stage.submod)
+        out.append(
+            {
+                "stage": stage.stage_index,
+                "layers": [int(k) for k in chunk.layers],
+                "embed": chunk.embed is not None,
+                "head": chunk.head is not None,
+                "mtp": chunk.mtp is not None,
+            }
+        )
+    return out
+
+
+def _chunk(module: torch.nn.Module) -> Transformer:
+    return getattr(module, "module", module)  # DDP wraps
+
+
+def _full_model_bytes(runtime: Runtime) -> float:
+    from dstrain.model.flops import param_counts
+
+    return float(param_counts(runtime.model_args).total * FP32)
+
+
+def _build_peak(model: torch.nn.Module) -> float:
+    """What materialising allocates: every local shard and buffer, plus the initialiser's
+    largest draw (one block of rows of a global tensor, and the sampler's temporary)."""
+    held, draw = 0, 0
+    for param in model.parameters():
+        local = param._local_tensor if hasattr(param, "_local_tensor") else param
+        held += local.numel() * local.element_size()
+        row = math.prod(param.shape[1:])
+        draw = max(draw, min(param.numel(), max(1, BLOCK_ELEMENTS // max(row, 1)) * row))
+    held += sum(b.numel() * b.element_size() for b in model.buffers())
+    return float(held + 2 * FP32 * draw)
+
+
+# ---- the step under fake tensors -------------------------------------------------------------
+
+
+def _step(config: DstrainConfig, runtime: Runtime) -> tuple[float | None, str]:
+    """One micro-batch through this rank's model (or each of its stages) under fake tensors;
+    returns (activation peak bytes, what ran)."""
+    grouped = _grouped_mm_needs_bf16(config, runtime)
+    if grouped:
+        return None, f"not run: {grouped}"
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    stages = [stage.submod for stage in runtime.pipeline.stages] if runtime.pipeline else []
+    with fake:
+        for module in (runtime.model, *stages):  # the stages hold the shared RoPE tables too
+            module.to_empty(device="cpu")
+    with _balanced_dispatch(runtime.model):
+        if runtime.pipeline is None:
+            return _whole_model_step(config, runtime, fake)
+        return _pipeline_step(config, runtime, fake)
+
+
+def _grouped_mm_needs_bf16(config: DstrainConfig, runtime: Runtime) -> str | None:
+    """torch 2.13's meta kernel of `_grouped_mm` (what fake tensors run) takes bf16 only."""
+    if runtime.model_args.num_routed_experts and config.train.precision != "bf16":
+        return (
+            "the routed experts' grouped GEMM has a bf16-only meta kernel in torch "
+            f"{torch.__version__.split('+')[0]}, and this run is {config.train.precision}"
+        )
+    return None
+
+
+@contextlib.contextmanager
+def _balanced_dispatch(model: torch.nn.Module):
+    experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+    for module in experts:
+        module.balanced = True
+    try:
+        yield
+    finally:
+        for module in experts:
+            module.balanced = False
+
+
+def _tokens(config: DstrainConfig, runtime: Runtime) -> torch.Tensor:
+    shape = (runtime.batch.micro_batch_size, config.train.seq_len)
+    return torch.randint(0, runtime.model_args.vocab_size, shape)
+
+
+def _whole_model_step(
+    config: DstrainConfig, runtime: Runtime, fake: FakeTensorMode
+) -> tuple[float, str]:
+    tracker = MemTracker()
+    tracker.track_external(runtime.model, runtime.optimizer)
+    with fake, tracker:
+        tokens = _tokens(config, runtime)
+        with autocast(config.train.precision, torch.device("cpu")):
+            outputs = runtime.model(tokens)
+        _loss(outputs).backward()
+        runtime.optimizer.step()
+        runtime.optimizer.zero_grad(set_to_none=True)
+    peak = tracker.get_tracker_snapshot("peak")
+    return _activations(peak), "ran: forward, backward and optimizer step of one micro-batch"
+
+
+def _loss(outputs: object) -> torch.Tensor:
+    parts = outputs if isinstance(outputs, tuple) else (outputs,)
+    return sum(part.float().sum() for part in parts)
+
+
+def _activations(snapshot: dict) -> float:
+    """Activation and temporary bytes of a tracker snapshot (all devices)."""
+    total = 0.0
+    for categories in snapshot.values():
+        for kind, value in categories.items():
+            if str(kind).rsplit(".", 1)[-1] in ("ACT", "TEMP"):
+                total += value
+    return total
+
+
+def _pipeline_step(
+    config: DstrainConfig, runtime: Runtime, fake: FakeTensorMode
+) -> tuple[float, str]:
+    """Each stage on one micro-batch: the activations it holds from forward to backward, and
+    the peak of running one; then the schedule's order on this rank."""
+    held, transient = {}, {}
+    for stage in runtime.pipeline.stages:
+        held[stage.stage_index], transient[stage.stage_index] = _stage_step(
+            config, runtime, stage.submod, fake
+        )
+    p = config.parallel
+    v = 2 if p.pp_schedule in V_SHAPED else p.num_virtual_stages
+    pp_rank = runtime.meshes["pp"].get_local_rank()
+    order = schedule_actions(p.pp_schedule, p.pp, runtime.batch.grad_accum_steps, v)[pp_rank]
+    holding = peak = 0.0
+    for action in order:
+        if action.kind == "F":
+            holding += held[action.stage]
+            peak = max(peak, holding + transient[action.stage])
+        elif action.kind in ("B", "W"):
+            peak = max(peak, holding + transient[action.stage])
+            holding -= held[action.stage]
+    stages = ", ".join(str(s) for s in held)
+    return peak, (
+        f"ran: forward and backward of one micro-batch on stages {stages}; in flight per "
+        f"upstream's {p.pp_schedule} order with {runtime.batch.grad_accum_steps} micro-batches"
+    )
+
+
+def _stage_step(
+    config: DstrainConfig, runtime: Runtime, module: torch.nn.Module, fake: FakeTensorMode
+) -> tuple[float, float]:
+    """(bytes saved for backward after forward, peak extra while running it) of one stage."""
+    chunk = _chunk(module)
+    tracker = MemTracker()
+    tracker.track_external(module)
+    with fake, tracker:
+        tokens = _tokens(config, runtime)
+        if chunk.embed is not None:
+            inputs = tokens
+        else:
+            dtype = torch.bfloat16 if config.train.precision == "bf16" else torch.float32
+            shape = (*tokens.shape, runtime.model_args.dim)
+            inputs = torch.randn(shape, dtype=dtype, requires_grad=True)
+        kwargs = {"next_tokens": tokens} if chunk.mtp is not None and chunk.embed is None else {}
+        with autocast(config.train.precision, torch.device("cpu")):
+            outputs = module(inputs, **kwargs)
+        after_forward = _activations(tracker.get_tracker_snapshot("current"))
+        if chunk.head is not None:
+            _loss(outputs).backward()
+        else:
+            outputs.backward(torch.ones_like(outputs))
+    return after_forward, max(0.0, _activations(tracker.get_tracker_snapshot("peak")) - after_forward)

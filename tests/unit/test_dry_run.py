@@ -1,0 +1,172 @@
+"""The dry run: rank R's real runtime at any world size in this process, on torch's fake process
+group with the model on meta. It agrees with the planner on model states (within 5%), builds
+DeepSeek-V3's published layout at 2048 ranks in seconds, and gives one verdict with `check` and
+the planner on a grid of small layouts."""
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from dstrain.config.flavors import resolve_model_args
+from dstrain.config.load import load_config
+from dstrain.config.preflight import preflight
+from dstrain.errors import UserError
+from dstrain.hardware import gpu_spec
+from dstrain.planner.layout import Cluster, layout_from_config
+from dstrain.planner.legal import trainer_errors
+from dstrain.planner.memory import memory_per_gpu
+from dstrain.planner.shape import rank_shapes
+from dstrain.train.dry_run import dry_run_rank
+from tests.conftest import REPO
+
+V3_EXAMPLE = REPO / "examples" / "deepseek-v3-h800x2048.toml"
+GiB = 2**30
+
+
+def _config(path: Path | None, *overrides: str):
+    return load_config(path, list(overrides)).config
+
+
+def _planned_states(config, world: int, pp_rank: int) -> float:
+    """The planner's model states for the pipeline rank `pp_rank` of this config."""
+    from dstrain.planner.memory import _rank_memory
+
+    args = resolve_model_args(config.model)
+    layout = layout_from_config(config, world)
+    shape = next(s for s in rank_shapes(args, layout) if s.rank == pp_rank)
+    return _rank_memory(args, layout, shape).model_states
+
+
+@pytest.mark.parametrize("rank", [0, 2047])
+def test_deepseek_v3_at_2048_ranks_matches_the_planner(rank):
+    config = _config(V3_EXAMPLE)
+    report = dry_run_rank(config, 2048, rank, step=True)
+    pp_rank = report.coords["pp"]
+    assert pp_rank == (0 if rank == 0 else 15)
+    assert report.groups["pp"] == 16 and report.groups["ep"] == 64 and report.groups["dp"] == 128
+    planned = _planned_states(config, 2048, pp_rank)
+    assert abs(report.model_states_bytes / planned - 1) < 0.05, (report.model_states_bytes, planned)
+    # No rank holds the whole model: the old path built 2.5 TiB of fp32 weights on each.
+    assert report.full_model_bytes > 2400 * GiB
+    assert report.build_peak_bytes < 2 * GiB
+    assert [s["stage"] for s in report.stages] == ([0, 31] if rank == 0 else [15, 16])
+    assert report.step.startswith("ran")
+    assert report.activation_peak_bytes > 0
+    assert report.seconds["total"] < 120
+
+
+SMALL = {  # world 8 unless a layout says otherwise; the debug model in bf16
+    "ddp": ["parallel.dp_shard=8", "parallel.zero_stage=0"],
+    "zero1": ["parallel.dp_shard=8", "parallel.zero_stage=1"],
+    "zero2": ["parallel.dp_shard=8", "parallel.zero_stage=2"],
+    "zero3": ["parallel.dp_shard=8", "parallel.zero_stage=3"],
+    "dp4_tp2_zero1": ["parallel.dp_shard=4", "parallel.tp=2", "parallel.zero_stage=1"],
+    "dp8_ep4_zero1": ["parallel.dp_shard=8", "parallel.ep=4", "parallel.zero_stage=1"],
+    "pp2_dp4_zero1": [
+        "parallel.pp=2",
+        "parallel.dp_shard=4",
+        "parallel.zero_stage=1",
+        "train.micro_batch_size=2",
+    ],
+    "pp2_dp2_ep2_zero1_dualpipev": [
+        "parallel.pp=2",
+        "parallel.dp_shard=4",
+        "parallel.ep=2",
+        "parallel.zero_stage=1",
+        "parallel.pp_schedule=dualpipev",
+        "parallel.num_virtual_stages=2",
+        "train.micro_batch_size=1",
+    ],
+}
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_small_layouts_match_the_planner(name):
+    config = _config(None, "train.precision=bf16", "train.global_batch_size=32", *SMALL[name])
+    for rank in (0, 7):
+        report = dry_run_rank(config, 8, rank, step=False)
+        planned = _planned_states(config, 8, report.coords["pp"])
+        assert abs(report.model_states_bytes / planned - 1) < 0.05, (name, rank)
+
+
+def test_a_step_runs_under_fake_tensors_with_expert_parallelism():
+    config = _config(None, "train.precision=bf16", *SMALL["dp8_ep4_zero1"])
+    report = dry_run_rank(config, 8, 3, step=True)
+    assert report.step.startswith("ran") and report.activation_peak_bytes > 0
+
+
+def test_fp32_experts_cannot_be_traced_and_say_why():
+    config = _config(None, "parallel.dp_shard=2")
+    report = dry_run_rank(config, 2, 0, step=True)
+    assert report.step.startswith("not run") and "bf16" in report.step
+    assert report.activation_peak_bytes is None
+
+
+def test_cli_json_and_an_illegal_layout(cli):
+    result = cli(
+        "train", V3_EXAMPLE, "--dry-run", "--world-size", "2048", "--rank", "0", "--json",
+        "--no-step",
+    )  # fmt: skip
+    assert result.code == 0, result.text
+    data = result.json()
+    assert data["model_states_bytes"] > 0 and data["build_peak_bytes"] > 0
+    bad = cli("train", V3_EXAMPLE, "--dry-run", "--world-size", "1000")
+    assert bad.code == 1
+    assert "parallel" in bad.err and "Traceback" not in bad.text
+    outside = cli("train", "--dry-run", "--world-size", "2", "--rank", "5")
+    assert outside.code == 1 and "0..1" in outside.err
+
+
+# ---- one truth: check, plan and the runtime agree on what is legal --------------------------
+
+GRID_AXES = {
+    "world": [2, 4],
+    "tp": [1, 2],
+    "pp": [1, 2],
+    "ep": [1, 2],
+    "zero": [0, 1, 2, 3],
+    "schedule": ["1f1b", "dualpipev"],
+}
+
+
+def _grid():
+    for world, tp, pp, ep, zero, schedule in itertools.product(*GRID_AXES.values()):
+        if pp == 1 and schedule != "1f1b":
+            continue
+        if world % (tp * pp):
+            continue
+        sets = [
+            f"parallel.tp={tp}",
+            f"parallel.pp={pp}",
+            f"parallel.ep={ep}",
+            f"parallel.zero_stage={zero}",
+            f"parallel.pp_schedule={schedule}",
+            "parallel.dp_shard=-1",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=16",
+        ]
+        if schedule == "dualpipev":
+            sets.append("parallel.num_virtual_stages=2")
+        yield pytest.param(world, sets, id=f"w{world}-tp{tp}-pp{pp}-ep{ep}-z{zero}-{schedule}")
+
+
+@pytest.mark.parametrize("world, sets", list(_grid()))
+def test_check_plan_and_runtime_agree_on_what_is_legal(world, sets):
+    loaded = load_config(None, sets)
+    check_errors = [f for f in preflight(loaded, world) if f.severity == "error"]
+    config = loaded.config
+    args = resolve_model_args(config.model)
+    cluster = Cluster(gpu_spec("H100"), num_gpus=world, gpus_per_node=world)
+    plan_errors = trainer_errors(args, layout_from_config(config, world), cluster)
+    try:
+        dry_run_rank(config, world, world - 1, step=False)
+        runtime_error = None
+    except UserError as exc:
+        runtime_error = exc.message
+    verdicts = (not check_errors, not plan_errors, runtime_error is None)
+    assert verdicts in ((True, True, True), (False, False, False)), (
+        [f.message for f in check_errors],
+        [f.message for f in plan_errors],
+        runtime_error,
+    )
