@@ -22,6 +22,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from cpu import cpu_label  # noqa: E402  (benchmarks/cpu.py)
 from launch_workers import REPO, torchrun_workers
 
 
@@ -32,6 +33,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="1K:64M")
     parser.add_argument("--step-factor", type=int, default=16)
     args = parser.parse_args()
+    print(f"CPU: {cpu_label()}")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         spec = {

@@ -37,20 +37,30 @@ def main() -> None:
         out = Path(tmp)
         results = {}
         for mode in ("old", "new"):
-            torchrun_workers(2, HERE / "build_memory_worker.py", str(out), mode, json.dumps(overrides))
+            torchrun_workers(
+                2, HERE / "build_memory_worker.py", str(out), mode, json.dumps(overrides)
+            )
             results[mode] = [json.loads((out / f"{mode}_rank{r}.json").read_text()) for r in (0, 1)]
     params = sum(r["local_params"] for r in results["new"])
-    print(f"model: {params / 1e9:.2f}B parameters ({4 * params / 2**30:.2f} GiB in fp32), dp_shard 2, ZeRO-3")
-    print(f"{'path':6} {'rank':>4} {'RSS before MB':>14} {'peak RSS MB':>12} {'peak - before':>14} {'build s':>8}")
+    gib = 4 * params / 2**30
+    print(f"model: {params / 1e9:.2f}B parameters ({gib:.2f} GiB in fp32), dp_shard 2, ZeRO-3")
+    print(
+        f"{'path':6} {'rank':>4} {'RSS before MB':>14} {'peak RSS MB':>12} "
+        f"{'peak - before':>14} {'build s':>8}"
+    )
     for mode in ("old", "new"):
         for rank, r in enumerate(results[mode]):
             grown = r["peak_mb"] - r["before_mb"]
-            print(f"{mode:6} {rank:>4} {r['before_mb']:>14.0f} {r['peak_mb']:>12.0f} {grown:>14.0f} {r['seconds']:>8.1f}")
+            print(
+                f"{mode:6} {rank:>4} {r['before_mb']:>14.0f} {r['peak_mb']:>12.0f} "
+                f"{grown:>14.0f} {r['seconds']:>8.1f}"
+            )
     for rank in (0, 1):
         old, new = results["old"][rank], results["new"][rank]
+        grown = (new["peak_mb"] - new["before_mb"]) / (old["peak_mb"] - old["before_mb"])
         print(
             f"rank {rank}: new / old peak RSS {new['peak_mb'] / old['peak_mb']:.2f}; growth during "
-            f"the build {(new['peak_mb'] - new['before_mb']) / (old['peak_mb'] - old['before_mb']):.2f}"
+            f"the build {grown:.2f}"
         )
 
 

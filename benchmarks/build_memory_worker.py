@@ -15,9 +15,9 @@ from dstrain.config.flavors import resolve_model_args
 from dstrain.config.load import load_config
 from dstrain.model.transformer import build_model
 from dstrain.parallel.distributed import World, shutdown
+from dstrain.parallel.mesh import build_meshes
 from dstrain.parallel.parallelize import parallelize_model
 from dstrain.train.runtime import build_runtime, checked_dims
-from dstrain.parallel.mesh import build_meshes
 
 
 def rss_mb() -> float:

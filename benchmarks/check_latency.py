@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from cpu import cpu_label  # noqa: E402  (benchmarks/cpu.py)
+
 from dstrain.config.load import load_config
 from dstrain.config.preflight import preflight
 
@@ -45,6 +47,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
+    print(f"CPU: {cpu_label()}")
     check = [
         sys.executable,
         "-m",

@@ -23,6 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cpu import cpu_label  # noqa: E402  (benchmarks/cpu.py)
+
 from dstrain.config.load import load_config  # noqa: E402
 from dstrain.train.trainer import Trainer  # noqa: E402
 
@@ -70,6 +72,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    print(f"CPU: {cpu_label()}")
     runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory() as tmp:
         for index in range(args.rounds):

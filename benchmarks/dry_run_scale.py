@@ -61,7 +61,9 @@ def main() -> None:
         r = json.loads(done.stdout)
         plan = planned(args.config, args.world_size, r["coords"]["pp"])
         stages = " ".join(f"{s['stage']}({len(s['layers'])})" for s in r["stages"])
-        parts = [sum(r[k].values()) / GiB for k in ("params_bytes", "grads_bytes", "optimizer_bytes")]
+        parts = [
+            sum(r[k].values()) / GiB for k in ("params_bytes", "grads_bytes", "optimizer_bytes")
+        ]
         act = r["activation_peak_bytes"]
         print(
             f"{rank:>5} {r['coords']['pp']:>3} {stages:22} {parts[0]:>10.2f} {parts[1]:>7.2f} "
@@ -70,7 +72,8 @@ def main() -> None:
             f"{r['build_peak_bytes'] / GiB:>10.2f} {(act or 0) / GiB:>9.1f} {wall:>7.1f} "
             f"{r['seconds']['total']:>12.1f}"
         )
-    print(f"(the old path built the whole fp32 model on every rank: {r['full_model_bytes'] / GiB:,.0f} GiB)")
+    full = r["full_model_bytes"] / GiB
+    print(f"(the old path built the whole fp32 model on every rank: {full:,.0f} GiB)")
 
 
 if __name__ == "__main__":

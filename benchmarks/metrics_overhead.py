@@ -19,6 +19,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from cpu import cpu_label  # noqa: E402  (benchmarks/cpu.py)
 from launch_workers import REPO, torchrun_workers
 
 LAYOUTS = {
@@ -60,6 +61,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--block", type=int, default=10)
     args = parser.parse_args()
+    print(f"CPU: {cpu_label()}")
     with tempfile.TemporaryDirectory() as tmp:
         for layout, (nproc, overrides) in LAYOUTS.items():
             seconds = run_layout(Path(tmp), nproc, overrides, args)

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
+from cpu import cpu_label  # noqa: E402  (benchmarks/cpu.py)
 
 from dstrain.config.flavors import FLAVORS
 from dstrain.config.model_args import ModelArgs
@@ -155,6 +156,7 @@ def main() -> None:
         "transformers 5) and eager (its reference loop over experts)",
     )
     args = parser.parse_args()
+    print(f"CPU: {cpu_label()}")
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()

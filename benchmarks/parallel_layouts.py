@@ -24,8 +24,10 @@ Columns:
 - pred: that figure from the one-process P (parameters), G (gradients), O (optimizer states),
   fp32 bytes, split per parameter: a tensor placed Shard on tp (ep) is 1/tp (1/ep) of its
   one-process size; then over the ZeRO shard degree N (dp_shard; for routed experts efsdp, as
-  the README's folding rule says; for ZeRO-1 dp) ZeRO-1 keeps P + G + O/N, ZeRO-2
-  P + (G + O)/N, ZeRO-3 (P + G + O)/N. ok: every rank within 10 %.
+  the README's folding rule says) ZeRO-1 keeps P + P/N + G + O/N (FSDP2's gathered fp32 weights
+  beside their fp32 shards, whole gradients accumulated while the sync is deferred: the
+  measured micro-step is a first micro-batch of several), ZeRO-2 P + (G + O)/N, ZeRO-3
+  (P + G + O)/N. ok: every rank within 10 %.
 
 FSDP2's "ZeRO-2" (reshard_after_forward=False) is not DeepSpeed's: parameters are whole only
 from forward to backward, resharded after it. At "fwd" it holds P whole + P/N sharded + O/N and
@@ -58,6 +60,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from cpu import cpu_label  # noqa: E402  (benchmarks/cpu.py)
 from launch_workers import REPO, free_port
 
 from dstrain.config.flavors import resolve_model_args
@@ -154,7 +157,7 @@ def predict(reference: dict, params: dict, dims: ParallelDims, zero: int) -> flo
         p, g, o = p / split, g / split, o / split
         n = dims.efsdp if info["ep"] else dims.dp_shard
         if dims.dp > 1 and zero == 1:
-            o /= dims.dp
+            p, o = p + p / n, o / n
         elif dims.dp > 1 and zero == 2:
             g, o = g / n, o / n
         elif dims.dp > 1 and zero == 3:
@@ -194,6 +197,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     parser.add_argument("--set", action="append", default=[], help="config override, k=v")
     args = parser.parse_args()
+    print(f"CPU: {cpu_label()}")
     layouts = LAYOUTS
     if args.only:
         wanted = {n.strip() for n in args.only.split(",")}

@@ -15,9 +15,8 @@ backward) to count the model state this rank holds, and writes `rank{r}.json`:
   storage once: a DTensor counts its local shard, FSDP2 parameters count their sharded data plus
   any all-gathered (unsharded) copy that is alive at that moment, and FSDP2's gradients are views
   of one reduce-scatter buffer per block, counted whole. Optimizer states are those of this
-  rank (`ZeroRedundancyOptimizer.optim.state` under ZeRO-1). Gradients are `p.grad` only: DDP's
-  reducer also keeps flat gradient buckets of its own, which Python cannot reach (reported
-  separately as ddp_bucket_bytes when DDP says their sizes);
+  rank. Gradients are `p.grad` (DDP's are views of its buckets, `gradient_as_bucket_view`;
+  ddp_bucket_bytes reports the buckets' sizes when DDP says them);
 - params: per parameter name (as registered after the backward), its local and global bytes,
   its gradient's local bytes and placements, and whether it is sharded over `tp` or `ep`;
 - per_name (one process only): each parameter's parameter, gradient and optimizer-state bytes.
@@ -34,12 +33,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Shard
 
 from dstrain.config.load import load_config
 from dstrain.parallel.distributed import shutdown
 from dstrain.train.loss import TokenCounts, loss_terms
+from dstrain.train.step import grad_sync
 from dstrain.train.trainer import Trainer
 
 RSS_AFTER_IMPORTS_MB = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -87,7 +86,10 @@ def measure_micro_step(trainer: Trainer) -> tuple[dict, dict]:
     # Local counts: the loss's scale changes no tensor's size.
     counts = TokenCounts.of([labels], args.num_mtp_modules)
     model.train()
-    outputs = model(micro_batch[:, :-1])
+    # A first micro-batch of several: ZeRO-1 defers its gradient sync (and keeps the gathered
+    # weights) until the last one, so its unsharded gradients show at "bwd".
+    with grad_sync(model, last=False, defer=trainer.dp.defer_sync):
+        outputs = model(micro_batch[:, :-1])
     after_fwd = held_bytes(model, trainer.optimizer)
     total, _ = loss_terms(outputs, labels, counts, args.mtp_loss_weight)
     sampler = BackwardPeak(model, trainer.optimizer)
@@ -154,8 +156,7 @@ def _grad_tensors(model: nn.Module) -> Iterator[torch.Tensor | None]:
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
-    for state in inner.state.values():
+    for state in optimizer.state.values():
         yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
 

@@ -33,6 +33,8 @@ from launch_workers import REPO, torchrun_workers
 
 sys.path.insert(0, str(REPO))
 
+from cpu import cpu_label  # noqa: E402  (benchmarks/cpu.py)
+
 from dstrain.parallel.pipeline_sim import schedule_actions, simulate  # noqa: E402
 from dstrain.planner.bubble import SCHEDULES, Costs, theoretical_bubble  # noqa: E402
 
@@ -67,6 +69,7 @@ def main() -> None:
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
+    print(f"CPU: {cpu_label()}")
     print(
         "| pp | schedule | m | measured | simulated | theory | p2p wait | imbalance "
         "| F / B / W ms |"

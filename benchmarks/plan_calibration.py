@@ -13,6 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from cpu import cpu_label  # noqa: E402  (benchmarks/cpu.py)
+
 REPO = Path(__file__).resolve().parents[1]
 LAYOUTS = {
     "one": (1, []),
@@ -49,6 +51,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--keep", type=Path, help="keep the run directories here")
     args = parser.parse_args()
+    print(f"CPU: {cpu_label()}")
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep or Path(tmp)
         runs = [train(root, name, n, sets, args.steps) for name, (n, sets) in LAYOUTS.items()]

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+from cpu import cpu_label  # noqa: E402  (benchmarks/cpu.py)
+
 CASES = {
     "deepseek-v3 on 2048 H800": ["--model", "deepseek-v3", "--gpu", "H800", "--num-gpus", "2048"],
     "deepseek-v2-lite on 64 H100": [
@@ -39,6 +41,7 @@ def seconds(command: list[str]) -> float:
 
 
 def main() -> None:
+    print(f"CPU: {cpu_label()}")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     rounds = parser.parse_args().rounds

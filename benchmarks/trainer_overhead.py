@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from cpu import cpu_label  # noqa: E402  (benchmarks/cpu.py)
 
 from dstrain.config.load import load_config
 from dstrain.config.schema import DstrainConfig
@@ -137,6 +138,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--set", action="append", default=[], help="config override, k=v")
     args = parser.parse_args()
+    print(f"CPU: {cpu_label()}")
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         overrides = [f"run.root={tmp}/runs", f"data.cache_dir={tmp}/cache"]

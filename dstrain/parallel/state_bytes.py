@@ -5,11 +5,12 @@ the ZeRO stage and precision make the step allocate around it.
 Per parameter, with P_local its local shard and P_gathered what FSDP2 all-gathers (the shard
 before FSDP: TP/EP-local), mixed precision meaning bf16 compute weights:
 
-    ZeRO-0 (DDP, or no data parallelism)   weights 4 P_local  gradients 4 P_local
-    ZeRO-1 (and ZeRO-2 under PP)           weights 4 P_local + w P_gathered, gradients 4 P_gathered
-    ZeRO-2                                 weights 4 P_local + w P_gathered, gradients 4 P_local
-    ZeRO-3                                 weights 4 P_local (+ one block in flight), grads 4 P_local
-    optimizer                              Adam: 8 P_local (two fp32 moments); SGD: 4 P_local
+    stage                        weights                    gradients
+    ZeRO-0 (DDP, or no dp)       4 P_local                  4 P_local
+    ZeRO-1 (ZeRO-2 under PP)     4 P_local + w P_gathered   4 P_gathered
+    ZeRO-2                       4 P_local + w P_gathered   4 P_local
+    ZeRO-3                       4 P_local                  4 P_local   (+ one block in flight)
+    optimizer                    Adam: 8 P_local (two fp32 moments); SGD: 4 P_local
 
 w = 2 under bf16 (FSDP2's param_dtype), else 4. FSDP2 keeps the gathered weights from the first
 forward to the last backward when it does not reshard after forward, and accumulates unsharded

@@ -283,4 +283,5 @@ def _stage_step(
             _loss(outputs).backward()
         else:
             outputs.backward(torch.ones_like(outputs))
-    return after_forward, max(0.0, _activations(tracker.get_tracker_snapshot("peak")) - after_forward)
+    peak = _activations(tracker.get_tracker_snapshot("peak"))
+    return after_forward, max(0.0, peak - after_forward)

@@ -5,8 +5,9 @@ The run of the parity matrix (8 steps); the first 4 are trained and checkpointed
 dp_shard2 x ep2 (FSDP), pp2 (with the MTP copy of the embedding), tp2 + SP and dp_shard2 ZeRO-1.
 Copies of those run directories then resume to step 8 under tp2, pp2, dp_shard2 x ep2 (ZeRO-1
 and -2), dp_shard2 ZeRO-2, dp_shard4 (ZeRO-3), pp2 x dp2 (ZeRO-1 and -2) and one process: dp,
-tp, ep, pp and the ZeRO stage all change. The data position is a global sample count, so it continues exactly
-when dp changes (2 -> 4, 2 -> 1): a wrong position would change every later loss.
+tp, ep, pp and the ZeRO stage all change. The data position is a global sample count, so it
+continues exactly when dp changes (2 -> 4, 2 -> 1): a wrong position would change every later
+loss.
 """
 
 import json

@@ -15,7 +15,6 @@ from dstrain.errors import UserError
 from dstrain.hardware import gpu_spec
 from dstrain.planner.layout import Cluster, layout_from_config
 from dstrain.planner.legal import trainer_errors
-from dstrain.planner.memory import memory_per_gpu
 from dstrain.planner.shape import rank_shapes
 from dstrain.train.dry_run import dry_run_rank
 from tests.conftest import REPO
