@@ -126,7 +126,10 @@ def _read(folder: Path) -> tuple[dict[str, Any] | None, str]:
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         return None, "manifest.json has no file list"
     if manifest.get("format") != FORMAT:
-        return None, f"manifest.json has format {manifest.get('format')!r}; this dstrain reads 1"
+        return None, (
+            f"manifest.json has format {manifest.get('format')!r}; this dstrain reads 1 (the "
+            "checkpoint comes from another dstrain version: resume it with that version)"
+        )
     return manifest, ""
 
 

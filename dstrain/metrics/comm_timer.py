@@ -5,7 +5,7 @@ far more than the 2% a metric may take, and NCCL's completion hooks exist only f
 the kernels, not whether compute waited for them. So this module times the points where the
 training thread blocks on a collective, on every path our layouts use:
 
-- `torch.distributed` collectives (FSDP2's all-gathers and reduce-scatters, ZeRO-1's broadcasts,
+- `torch.distributed` collectives (FSDP2's all-gathers and reduce-scatters,
   our loss, norm and load all-reduces, expert-gradient reductions): a blocking call is timed
   whole; an `async_op=True` call is timed where its `Work.wait()` blocks.
 - functional collectives (DTensor tensor/sequence parallelism, expert-parallel all-to-alls): timed

@@ -169,6 +169,21 @@ def test_diff_architecture_change_cannot_resume(cli, run, new_toml, override, fi
     assert f"{field}: " in result.out and "the weights cannot carry over" in result.out
 
 
+def test_an_older_versions_zero1_checkpoint_can_resume(cli, tmp_path, new_toml):
+    """ZeRO-1 used to refuse checkpoints; one written by an older dstrain (or by ZeRO-1 at dp 1,
+    which it allowed) reads like any other: same names, same manifest format."""
+    run = tmp_path / "old"
+    writer = store.CheckpointWriter(
+        run / "checkpoints", keep_last_k=0, async_save=False, is_main=True
+    )
+    meta = _meta(10) | {"dstrain_version": "0.1.0", "layout": {**LAYOUT, "zero_stage": 1}}
+    writer.save(10, {"model": {"w": torch.ones(8)}}, meta)
+    writer.close()
+    result = cli("ckpt", "diff", run, "--config", new_toml, "--set", "parallel.zero_stage=1")
+    assert result.code == 0, result.text
+    assert "CAN RESUME" in result.out
+
+
 def test_diff_names_every_blocker(cli, run, new_toml):
     result = cli(
         "ckpt", "diff", run / "checkpoints" / "step-20", "--config", new_toml, "--json",
