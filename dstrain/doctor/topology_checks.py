@@ -15,6 +15,7 @@ SECTION = "topology"
 NEAR = 2  # PIX or PXB: the NIC shares a PCIe switch with the GPU (GPUDirect RDMA at full speed)
 FAR = 4  # NODE or SYS: traffic crosses the CPU's host bridges, or the socket interconnect
 MAX_LISTED = 6
+UNKNOWN = 9  # the PCIe rank of a pair a cut-short paste shows no link for
 
 
 def topology_checks(topo: Topology, tp: int | None = None, ep: int | None = None) -> list[Check]:
@@ -90,12 +91,19 @@ def _consecutive(gpus: list[str], size: int) -> list[list[str]]:
 
 
 def _group_check(topo: Topology, name: str, axis: str, groups: list[list[str]]) -> Check:
-    bad = [
-        (a, b, topo.link(a, b) or "?")
-        for group in groups
-        for a, b in combinations(group, 2)
-        if not nvlink_count(topo.link(a, b))
-    ]
+    pairs = [(a, b, topo.link(a, b)) for group in groups for a, b in combinations(group, 2)]
+    bad = [(a, b, link) for a, b, link in pairs if link is not None and not nvlink_count(link)]
+    # A cut-short paste has no cell for some pairs: nothing to judge them by, so not "bad".
+    unknown = [f"{a}-{b}" for a, b, link in pairs if link is None]
+    if not bad and unknown:
+        listed = ", ".join(unknown[:MAX_LISTED]) + (" ..." if len(unknown) > MAX_LISTED else "")
+        return warn(
+            SECTION,
+            name,
+            f"the paste shows no link for {listed}: cannot tell whether every {axis} group is "
+            "NVLinked (the pairs it does show are)",
+            "paste the whole `nvidia-smi topo -m` output",
+        )
     if not bad:
         shown = ", ".join(f"{g[0]}-{g[-1]}" for g in groups[:4])
         return ok(SECTION, name, f"every {axis} group ({shown}) is fully NVLinked")
@@ -126,7 +134,8 @@ def largest_nvlinked_group(topo: Topology) -> int:
         if len(gpus) % size:
             continue
         groups = [gpus[i : i + size] for i in range(0, len(gpus), size)]
-        if all(nvlink_count(topo.link(a, b)) for g in groups for a, b in combinations(g, 2)):
+        links = [topo.link(a, b) for g in groups for a, b in combinations(g, 2)]
+        if all(link is None or nvlink_count(link) for link in links):  # None: not in the paste
             return size
     return 1
 
@@ -139,7 +148,8 @@ def nic_checks(topo: Topology) -> list[Check]:
     # Each device's nearest counterpart, found once: (name, PCIe rank).
     gpu_of = {nic: _nearest(topo, nic, topo.gpus) for nic in topo.nics}
     nic_of = {gpu: _nearest(topo, gpu, topo.nics) for gpu in topo.gpus}
-    far = [nic for nic in topo.nics if gpu_of[nic][1] >= FAR]
+    # Rank UNKNOWN: a cut-short paste shows no link for that device; nothing to judge it by.
+    far = [nic for nic in topo.nics if FAR <= gpu_of[nic][1] < UNKNOWN]
     if far:
         listed = ", ".join(
             f"{topo.nic_name(n)} (nearest {gpu_of[n][0]} at {topo.link(n, gpu_of[n][0])})"
@@ -156,7 +166,7 @@ def nic_checks(topo: Topology) -> list[Check]:
                 "under a GPU's PCIe switch",
             )
         )
-    lonely = [g for g in topo.gpus if nic_of[g][1] > NEAR]
+    lonely = [g for g in topo.gpus if NEAR < nic_of[g][1] < UNKNOWN]
     if lonely:
         detail = ", ".join(
             f"{g} (nearest {topo.nic_name(nic_of[g][0])} at {topo.link(g, nic_of[g][0])})"
@@ -174,13 +184,18 @@ def nic_checks(topo: Topology) -> list[Check]:
             )
         )
     if not checks:
-        pairs = ", ".join(f"{g}->{topo.nic_name(nic_of[g][0])}" for g in topo.gpus[:4])
-        checks.append(ok(SECTION, "GPU-NIC", f"every GPU has a NIC at PIX/PXB ({pairs}, ...)"))
+        placed = [g for g in topo.gpus if nic_of[g][1] < UNKNOWN]
+        pairs = ", ".join(f"{g}->{topo.nic_name(nic_of[g][0])}" for g in placed[:4])
+        which = "every GPU" if len(placed) == len(topo.gpus) else "every GPU the paste places"
+        checks.append(ok(SECTION, "GPU-NIC", f"{which} has a NIC at PIX/PXB ({pairs}, ...)"))
     return checks
 
 
 def _nearest(topo: Topology, device: str, others: list[str]) -> tuple[str, int]:
-    """The nearest of `others` by PCIe distance; rank 9 when no link is known."""
-    ranked = [(pcie_rank(topo.link(device, o)) or 9, o) for o in others]
+    """The nearest of `others` by PCIe distance; rank UNKNOWN when a link the paste does not
+    show could be nearer than every link it shows."""
+    ranked = [(pcie_rank(topo.link(device, o)) or UNKNOWN, o) for o in others]
     rank, name = min(ranked)
+    if rank > NEAR and any(r == UNKNOWN for r, _ in ranked):
+        return name, UNKNOWN
     return name, rank

@@ -80,9 +80,9 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool
     """Shard `model` in place over the 1-D `tp_mesh` (see the module docstring for placements).
 
     Every tp rank must feed the same token batch [B, S]; with `sequence_parallel`, S must divide by
-    the tp degree. Works on a model that holds weights (equal on all tp ranks: same seed; rank 0's
-    are scattered) and on one built on `meta` (then `to_empty` and `init_weights`; but on CPU,
-    DTensor's RNG tracker is off, so every rank draws the same numbers for its own shard).
+    the tp degree. Works on a model built on `meta` (the trainer's path: materialise afterwards,
+    `dstrain/parallel/materialize.py`, which fills each shard with its part of the one-process
+    weights) and on one that holds weights (equal on all tp ranks; rank 0's are scattered).
     Parameters left plain stay identical across tp ranks as long as the optimizer steps do.
     """
     tp = tp_mesh.size()

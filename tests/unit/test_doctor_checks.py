@@ -263,3 +263,14 @@ def test_disk_and_read_speed_on_a_tmp_dir(tmp_path):
     assert "MB/s (2 MiB test file)" in check.detail
     assert seen[-1] == pytest.approx(1.0)
     assert list(tmp_path.iterdir()) == []  # the test file is gone
+
+
+def test_a_cut_short_paste_judges_only_what_it_shows():
+    """DGX A100 paste cut after GPU5's row: the missing pairs are unknown, not "no NVLink", and
+    NICs whose nearest GPU is among the missing ones are not called far."""
+    checks = _checks(TOPO / "08_dgx_a100_nv12_10nic_root_prompt_truncated.txt", tp=8)
+    tp = checks["tp=8"]
+    assert tp.status == "warn" and "no link for GPU6-GPU7" in tp.detail
+    assert "tp <= 1" not in tp.fix
+    assert "far NICs" not in checks
+    assert "the paste places" in checks["GPU-NIC"].detail
