@@ -52,7 +52,7 @@ def bare_loop(trainer: Trainer) -> tuple[Callable[[], torch.Tensor], torch.nn.Mo
     """A hand-written step over a fresh model and loader; returns (step -> main loss, model)."""
     cfg: DstrainConfig = trainer.config
     torch.manual_seed(cfg.train.seed)
-    model = build_model(trainer.model_args).train()
+    model = build_model(trainer.model_args, seed=cfg.train.seed).train()
     loader = DataLoader(
         trainer.dataset,
         global_batch_size=trainer.batch.global_batch_size,

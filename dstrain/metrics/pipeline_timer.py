@@ -32,6 +32,7 @@ from dstrain.planner.bubble import Costs, theoretical_bubble
 KINDS = ("F", "B", "I", "W", "L", "R")  # L: the loss on the last stage; R: p2p waits
 COMPUTE = KINDS[:5]
 PHASE_OF = {"F": "forward", "L": "forward", "B": "backward", "I": "backward", "W": "backward"}
+HOST = torch.device("cpu")
 _ACTIVE: list["PipelineTimer"] = []  # the timer of the step in flight (one pipeline per process)
 
 
@@ -43,11 +44,14 @@ class PipelineTimer:
         group: dist.ProcessGroup | None,
         phases: Spans | None = None,
         after_backward: Callable[[], None] | None = None,
+        device: torch.device = HOST,
     ) -> None:
         """`phases`: where the compute actions also count, as forward and backward time;
         `after_backward`: called after each B and W action (the communication timer closes
-        DDP's exposed all-reduce there)."""
+        DDP's exposed all-reduce there); `device`: the run's, which the group's backend serves
+        (the window itself accumulates on the host, off the hot path)."""
         self.group = group
+        self.device = device
         self.phases = phases
         self.after_backward = after_backward
         self.window = torch.zeros(2 + 2 * len(KINDS), dtype=torch.float64)
@@ -94,7 +98,9 @@ class PipelineTimer:
         totals = torch.cat([self.window, per_rank])
         self.window.zero_()
         if self.group is not None:
-            dist.all_reduce(totals, group=self.group)
+            on_device = totals.to(self.device)
+            dist.all_reduce(on_device, group=self.group)
+            totals = on_device.cpu()  # host sync: once per log line
         totals, per_rank = totals[:-size], totals[-size:]
         # Summed over the ranks: the interval is pp x the busy interval, as the definition needs.
         interval, sums = totals[0].item(), totals[2::2]

@@ -26,21 +26,23 @@ class LossScaler:
     def loss_multiplier(self) -> float:
         return self.scale if self.enabled else 1.0
 
-    def unscale_and_check(
-        self, params: list[torch.Tensor], group: dist.ProcessGroup | None = None
-    ) -> bool:
+    def unscale_and_check(self, params: list[torch.Tensor], device: torch.device) -> bool:
         """Divide gradients by the scale; True when they are all finite (the step may run).
-        `group`: the pipeline ranks, which hold other parameters and must skip together."""
+        Every rank holds other gradients (shards under FSDP, other layers under PP, other
+        experts under EP), and all must skip together: the verdict is reduced over the whole
+        world, on `device` (NCCL serves only CUDA tensors)."""
         if not self.enabled:
             return True
         grads = [p.grad for p in params if p.grad is not None]
         torch._foreach_mul_(grads, 1.0 / self.scale)
-        finite_t = torch.stack([g.isfinite().all() for g in grads]).all() if grads else None
-        finite_t = torch.ones((), dtype=torch.int32) if finite_t is None else finite_t.int().cpu()
-        if group is not None:
-            dist.all_reduce(finite_t, op=dist.ReduceOp.MIN, group=group)
+        finite_t = torch.ones((), dtype=torch.int32, device=device)
+        if grads:
+            local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+            finite_t = torch.stack([g.isfinite().all() for g in local]).all().to(torch.int32)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(finite_t, op=dist.ReduceOp.MIN)
         # Host sync: whether to skip this step must be known on the CPU.
-        finite = bool(finite_t)
+        finite = bool(finite_t.item())
         self._update(finite)
         return finite
 

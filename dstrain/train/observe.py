@@ -42,7 +42,9 @@ def build_probes(
     return Probes(device, comm)
 
 
-def build_pipeline_timer(pipeline: Pipeline | None, probes: Probes) -> PipelineTimer | None:
+def build_pipeline_timer(
+    pipeline: Pipeline | None, probes: Probes, device: torch.device
+) -> PipelineTimer | None:
     """Times every pipeline action; F, B, I, W and the loss also count as forward and backward
     time, and DDP's exposed all-reduce closes after each backward action."""
     if pipeline is None:
@@ -52,6 +54,7 @@ def build_pipeline_timer(pipeline: Pipeline | None, probes: Probes) -> PipelineT
         pipeline.group,
         phases=probes.spans,
         after_backward=comm.backward_done if comm is not None else None,
+        device=device,
     )
     timer.instrument(pipeline.stages)
     return timer

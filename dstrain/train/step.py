@@ -137,7 +137,7 @@ def apply_update(
     after a refused step: its batch is dropped). Returns (grad norm, applied, expert loads).
     `pp_group`: the pipeline ranks, which hold other parameters."""
     params = [p for p in model.parameters() if p.grad is not None]
-    finite = scaler.unscale_and_check(params, group=pp_group)
+    finite = scaler.unscale_and_check(params, loss.device)
     grad_norm = clip_grad_norm(params, grad_clip, pp_group=pp_group, uncounted=uncounted)
     applied = finite and (guard is None or guard(loss, grad_norm))
     if applied:

@@ -61,7 +61,7 @@ class Trainer:
             config.data, vocab_size=self.model_args.vocab_size, seq_len=config.train.seq_len
         )
         self.probes = build_probes(config, self.device, self.meshes, self.model, self.pipeline)
-        self.pipeline_timer = build_pipeline_timer(self.pipeline, self.probes)
+        self.pipeline_timer = build_pipeline_timer(self.pipeline, self.probes, self.device)
         self.scheduler = build_scheduler(self.optimizer, config.lr, config.train.steps)
         self.scaler = LossScaler(config.train.loss_scale, config.train.precision == "fp16")
         self.loader = self._build_loader()

@@ -39,7 +39,7 @@ def test_loss_scaler_follows_deepspeed():
 
     def step(grad):
         param.grad = torch.tensor(grad) * scaler.scale
-        return scaler.unscale_and_check([param])
+        return scaler.unscale_and_check([param], param.device)
 
     assert scaler.scale == 16
     assert step([1.0, 2.0]) and torch.equal(param.grad, torch.tensor([1.0, 2.0]))
@@ -61,7 +61,7 @@ def test_static_loss_scale_never_changes():
     scaler = LossScaler(LossScaleConfig(loss_scale=128.0), enabled=True)
     param = torch.nn.Parameter(torch.ones(1))
     param.grad = torch.tensor([math.inf])
-    assert not scaler.unscale_and_check([param]) and scaler.scale == 128.0
+    assert not scaler.unscale_and_check([param], param.device) and scaler.scale == 128.0
 
 
 def test_no_weight_decay_on_vectors():

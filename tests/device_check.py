@@ -1,0 +1,106 @@
+"""A GPU run's device rules, checked on a CPU-only machine.
+
+NCCL serves only CUDA tensors: a tensor the code builds on the default device (the CPU) or moves
+to the host, then hands to a collective, crashes a GPU run and passes on gloo. To see that
+failure class here, the run's device is `meta`, a device that is not the CPU and needs no GPU:
+the model and the batches live there, torch's fake process group takes the collectives, and
+`device_check()` records every collective with the devices of its tensors. Meta tensors hold no
+data, so inside the block `.item()` and `.tolist()` answer 1 (True for bools).
+"""
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+DEVICE = torch.device("meta")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "all_to_all_single",
+    "reduce",
+)
+
+
+class _Scalars(TorchDispatchMode):
+    """`.item()` of a data-less tensor: a plausible constant instead of an error; its copy to
+    the host (after a collective, to read the result): ones."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        source = args[0] if args else None
+        if func is torch.ops.aten._local_scalar_dense.default and source.is_meta:
+            dtype = source.dtype
+            return True if dtype == torch.bool else (1.0 if dtype.is_floating_point else 1)
+        to_host = func is torch.ops.aten._to_copy.default and source.is_meta
+        if to_host and torch.device(kwargs.get("device") or "meta").type == "cpu":
+            return torch.ones(source.shape, dtype=kwargs.get("dtype") or source.dtype)
+        return func(*args, **kwargs)
+
+
+def _tolist(original):
+    @functools.wraps(original)
+    def tolist(self: torch.Tensor):
+        if not self.is_meta:
+            return original(self)
+        ones = torch.ones(self.shape, dtype=torch.int64)
+        return ones.bool().tolist() if self.dtype == torch.bool else ones.tolist()
+
+    return tolist
+
+
+@dataclass
+class Recorded:
+    calls: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+
+    def off_device(self) -> list[tuple[str, tuple[str, ...]]]:
+        """The collectives that got a tensor on another device than the run's."""
+        return [(op, devs) for op, devs in self.calls if any(d != DEVICE.type for d in devs)]
+
+
+def _tensors(value: object) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+@contextlib.contextmanager
+def device_check(world_size: int = 2, rank: int = 0) -> Iterator[Recorded]:
+    """Inside: a fake process group of `world_size`, data-less scalars, and a record of every
+    collective's tensor devices. Put the model and its inputs on `DEVICE`."""
+    recorded = Recorded()
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def recording(name: str, original):
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            values = (*args, *kwargs.values())
+            devices = tuple(t.device.type for value in values for t in _tensors(value))
+            recorded.calls.append((name, devices))
+            return original(*args, **kwargs)
+
+        return call
+
+    dist.init_process_group("fake", rank=rank, world_size=world_size)
+    for name, original in originals.items():
+        setattr(dist, name, recording(name, original))
+    tolist = torch.Tensor.tolist
+    torch.Tensor.tolist = _tolist(tolist)
+    try:
+        with _Scalars():
+            yield recorded
+    finally:
+        torch.Tensor.tolist = tolist
+        for name, original in originals.items():
+            setattr(dist, name, original)
+        dist.destroy_process_group()

@@ -1,0 +1,99 @@
+"""Every tensor handed to a collective lives on the run's device: NCCL serves only DEVICE tensors.
+Checked without a GPU (`tests/device_check.py`): the run's device is `meta` (not the CPU), the
+process group torch's fake one, and every collective's tensor devices are recorded. Covers the training step (token counts, loss sums,
+gradient clipping, the loss scaler's overflow agreement, the MoE loads), the pipeline's loss,
+load and tied-embedding reductions, the pipeline timer, the metrics processor's gather and the
+preemption agreement."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dstrain.config.schema import LossScaleConfig
+from dstrain.metrics.pipeline_timer import PipelineTimer
+from dstrain.metrics.probes import Probes
+from dstrain.metrics.processor import MetricsProcessor, StepFigures, Throughput, Window
+from dstrain.model.transformer import build_model
+from dstrain.parallel.pipeline import TiedEmbedding
+from dstrain.train.loss_scale import LossScaler
+from dstrain.train.pipeline_step import _gather_loads
+from dstrain.train.preemption import Preemption
+from dstrain.train.step import DataParallel, train_step
+from tests.device_check import DEVICE, device_check
+from tests.unit.tiny import tiny_args
+
+
+def _on_device(model: torch.nn.Module) -> torch.nn.Module:
+    # bf16, as GPU runs are: the routed experts then run as one grouped GEMM, as on DEVICE.
+    return model.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("fp16", [False, True], ids=["bf16", "fp16-scaler"])
+def test_the_training_step_keeps_collectives_on_the_device(fp16):
+    with device_check() as recorded:
+        model = _on_device(build_model(tiny_args(), device=None))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        batches = [torch.randint(0, 64, (2, 9), device=DEVICE) for _ in range(2)]
+        train_step(
+            model,
+            optimizer,
+            batches,
+            scaler=LossScaler(LossScaleConfig(), enabled=fp16),
+            precision="fp32",
+            grad_clip=1.0,
+            mtp_weight=0.3,
+            num_mtp=1,
+            bias_update_speed=1e-3,
+            dp=DataParallel(dist.group.WORLD, 2),
+        )
+    assert len(recorded.calls) >= 4  # counts, loss, mtp loss, expert loads (+ overflow)
+    assert recorded.off_device() == []
+
+
+def test_the_loss_scalers_overflow_agreement_stays_on_the_device():
+    with device_check() as recorded:
+        param = torch.nn.Parameter(torch.ones(4, device=DEVICE))
+        param.grad = torch.ones(4, device=DEVICE)
+        LossScaler(LossScaleConfig(), enabled=True).unscale_and_check([param], DEVICE)
+    assert recorded.calls and recorded.off_device() == []
+
+
+def test_the_pipeline_timer_reduces_on_the_device():
+    with device_check() as recorded:
+        timer = PipelineTimer(dist.group.WORLD, device=DEVICE)
+        timer.start()
+        timer.stop()
+        timer.collect("1f1b", 4, 1)
+    assert recorded.calls and recorded.off_device() == []
+
+
+def test_the_pipelines_reductions_stay_on_the_device():
+    with device_check() as recorded:
+        pipe = SimpleNamespace(group=dist.group.WORLD, router_names=["layers.1.ffn.router"])
+        _gather_loads({"layers.1.ffn.router": torch.ones(8, device=DEVICE)}, pipe, 8, DEVICE)
+        embed = torch.nn.Embedding(4, 2, device=DEVICE)
+        embed.weight.grad = torch.ones(4, 2, device=DEVICE)
+        TiedEmbedding(embed, None, dist.group.WORLD).sum_grads()
+    assert len(recorded.calls) == 2 and recorded.off_device() == []
+
+
+def test_the_metrics_processor_gathers_on_the_device(monkeypatch):
+    for name in ("max_memory_allocated", "max_memory_reserved"):  # no DEVICE runtime here
+        monkeypatch.setattr(torch.cuda, name, lambda device=None: 0)
+    with device_check() as recorded:
+        model = _on_device(build_model(tiny_args(), device=None))
+        processor = MetricsProcessor(model, Throughput(2, 1e6, 1e12), Probes(DEVICE), DEVICE)
+        window = Window()
+        window.start()
+        window.stop(128)
+        one = torch.ones((), device=DEVICE)
+        processor.collect(StepFigures(loss=one, grad_norm=one, local_loss=one, lr=1e-3), window)
+    assert recorded.calls and recorded.off_device() == []
+
+
+def test_the_preemption_agreement_stays_on_the_device():
+    with device_check() as recorded:
+        Preemption(5.0, DEVICE).requested()
+    assert recorded.calls and recorded.off_device() == []
