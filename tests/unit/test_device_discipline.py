@@ -1,9 +1,9 @@
-"""Every tensor handed to a collective lives on the run's device: NCCL serves only DEVICE tensors.
+"""Every tensor handed to a collective lives on the run's device: NCCL serves only CUDA tensors.
 Checked without a GPU (`tests/device_check.py`): the run's device is `meta` (not the CPU), the
-process group torch's fake one, and every collective's tensor devices are recorded. Covers the training step (token counts, loss sums,
-gradient clipping, the loss scaler's overflow agreement, the MoE loads), the pipeline's loss,
-load and tied-embedding reductions, the pipeline timer, the metrics processor's gather and the
-preemption agreement."""
+process group torch's fake one, and every collective's tensor devices are recorded. Covers the
+training step (token counts, loss sums, gradient clipping, the loss scaler's overflow agreement,
+the MoE loads), the pipeline's loss, load and tied-embedding reductions, the pipeline timer,
+the metrics processor's gather and the preemption agreement."""
 
 from types import SimpleNamespace
 
