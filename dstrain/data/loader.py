@@ -84,8 +84,12 @@ class DataLoader:
         dp_rank: int,
         dp_size: int,
         seed: int,
+        pin_memory: bool = False,
     ) -> None:
+        """`pin_memory`: micro-batches in page-locked host memory, for one non-blocking copy to
+        an accelerator each."""
         _check_batch(global_batch_size, micro_batch_size, dp_rank, dp_size, seed)
+        self.pin_memory = pin_memory
         self.dataset = dataset
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
@@ -121,7 +125,8 @@ class DataLoader:
         batch = np.empty((len(indices), self.dataset.seq_len + 1), dtype=np.int64)
         for row, index in enumerate(indices.tolist()):
             batch[row] = self.dataset[index]  # casts uint16/uint32 -> int64 in the copy
-        return torch.from_numpy(batch)
+        tensor = torch.from_numpy(batch)
+        return tensor.pin_memory() if self.pin_memory else tensor
 
     def state_dict(self) -> dict[str, Any]:
         """Global, rank-independent state: identical on every rank."""

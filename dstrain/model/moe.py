@@ -110,10 +110,23 @@ def grouped_swiglu(
     w3_EFD: torch.Tensor,
     counts_E: torch.Tensor,
 ) -> torch.Tensor:
-    """SwiGLU of every expert on its rows of x (sorted by expert): w2(silu(w1 x) * w3 x)."""
+    """SwiGLU of every expert on its rows of x (sorted by expert): w2(silu(w1 x) * w3 x), in the
+    compute dtype (autocast's, else x's): autocast does not cover grouped GEMMs, and
+    `grouped_mm` refuses mixed dtypes (bf16 activations on fp32 experts kept out of FSDP2)."""
+    dtype = compute_dtype(x_TD)
+    x_TD = x_TD.to(dtype)
+    w1_EFD, w2_EDF, w3_EFD = (w.to(dtype) for w in (w1_EFD, w2_EDF, w3_EFD))
     gate_TF = _grouped_matmul(x_TD, w1_EFD, counts_E)
     up_TF = _grouped_matmul(x_TD, w3_EFD, counts_E)
     return _grouped_matmul(F.silu(gate_TF) * up_TF, w2_EDF, counts_E)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """What a matmul on `x` computes in: autocast's dtype where autocast is on, else x's."""
+    device = x.device.type
+    if device in ("cpu", "cuda") and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
 
 
 def _grouped_matmul(
@@ -123,7 +136,8 @@ def _grouped_matmul(
     if _can_group(x_TI, w_EOI):
         offsets = torch.cumsum(counts_E, 0, dtype=torch.int32)
         return _GROUPED_MM(x_TI, w_EOI.transpose(-2, -1), offs=offsets)
-    # Fallback where grouped_mm cannot run (see _can_group). Host sync: tolist().
+    # Fallback where grouped_mm cannot run (see _can_group): fp32 or fp16 on CUDA, whose
+    # grouped_mm kernel takes bf16 only. Host sync: tolist() (the split sizes).
     chunks = x_TI.split(counts_E.tolist())
     return torch.cat([chunk @ w.T for chunk, w in zip(chunks, w_EOI, strict=True)])
 

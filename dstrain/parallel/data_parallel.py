@@ -52,8 +52,10 @@ def apply_fsdp(
     """FSDP2 per block, then the root. `mesh` is 1-D (shard) or 2-D (replicate, shard).
     `ignored` parameters (expert-parallel experts) stay as they are."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    # pin_memory needs an accelerator; on CPU hosts offload keeps pageable memory.
-    offload_policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else None
+    # Pinned host memory serves copies to an accelerator; a CPU run keeps pageable memory (its
+    # mesh is on the CPU even on a machine that has GPUs).
+    pinned = mesh.device_type == "cuda"
+    offload_policy = CPUOffloadPolicy(pin_memory=pinned) if offload else None
     kwargs = dict(
         mesh=mesh,
         mp_policy=policy,
@@ -97,10 +99,11 @@ def apply_ddp(
     `ignored` parameter names (expert-parallel experts) are left out of its all-reduce."""
     if ignored:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+    device = next(model.parameters()).device  # the model's, not whatever the machine has
     ddp = DistributedDataParallel(
         model,
         process_group=mesh.get_group(),
-        device_ids=[torch.cuda.current_device()] if torch.cuda.is_available() else None,
+        device_ids=[device.index] if device.type == "cuda" else None,
         # PowerSGD chains several collectives per bucket inside future callbacks; with more
         # than one bucket in flight, gloo ranks can issue them in different orders ("Received
         # data size doesn't match expected size"). One bucket keeps them in order.
@@ -125,7 +128,7 @@ _NO_BUFFER_SYNC = (
 def _register_compression(ddp: DistributedDataParallel, mesh: DeviceMesh, comm: CommConfig) -> None:
     group = mesh.get_group()
     if comm.compression == "bf16":
-        if not torch.cuda.is_available():
+        if mesh.device_type != "cuda":
             raise UserError(
                 "comm.compression = bf16 needs NCCL on CUDA GPUs (upstream's bf16 hook)",
                 "use comm.compression = fp16 on CPU hosts",

@@ -10,8 +10,6 @@ their gradient norm only in fp32/bf16.
 import math
 from typing import Any
 
-import torch
-
 from dstrain.config.schema import GuardConfig
 from dstrain.errors import UserError
 
@@ -27,9 +25,9 @@ class NumericsGuard:
         self.last_reason: str | None = None
         self.events = 0  # bad steps over the run, for the summary
 
-    def allow(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
-        """True: apply the update. Host sync: the decision is made on the CPU."""
-        value, norm = loss.item(), grad_norm.item()
+    def allow(self, value: float, norm: float) -> bool:
+        """True: apply the update. The global loss and gradient norm come to the host once per
+        step, with the step's other verdicts (`train/agreement.py`)."""
         reason = self._judge(value, norm)
         self.last_reason = reason
         if reason is None:

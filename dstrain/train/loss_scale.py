@@ -8,7 +8,6 @@ define hysteresis and a minimum scale that GradScaler has no notion of.
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from dstrain.config.schema import LossScaleConfig
 
@@ -26,25 +25,24 @@ class LossScaler:
     def loss_multiplier(self) -> float:
         return self.scale if self.enabled else 1.0
 
-    def unscale_and_check(self, params: list[torch.Tensor], device: torch.device) -> bool:
-        """Divide gradients by the scale; True when they are all finite (the step may run).
-        Every rank holds other gradients (shards under FSDP, other layers under PP, other
-        experts under EP), and all must skip together: the verdict is reduced over the whole
-        world, on `device` (NCCL serves only CUDA tensors)."""
+    def unscale(self, params: list[torch.Tensor], device: torch.device) -> torch.Tensor | None:
+        """Divide gradients by the scale; returns this rank's overflow flag (a 0-dim tensor on
+        `device`, 1 when a gradient is not finite), or None when loss scaling is off. Every rank
+        holds other gradients (shards under FSDP, layers under PP, experts under EP): the flags
+        are joined over the world (`train/agreement.py`), and `update` takes the verdict."""
         if not self.enabled:
-            return True
+            return None
         grads = [p.grad for p in params if p.grad is not None]
         torch._foreach_mul_(grads, 1.0 / self.scale)
-        finite_t = torch.ones((), dtype=torch.int32, device=device)
-        if grads:
-            local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-            finite_t = torch.stack([g.isfinite().all() for g in local]).all().to(torch.int32)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(finite_t, op=dist.ReduceOp.MIN)
-        # Host sync: whether to skip this step must be known on the CPU.
-        finite = bool(finite_t.item())
-        self._update(finite)
-        return finite
+        if not grads:
+            return torch.zeros((), dtype=torch.int32, device=device)
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        return (~torch.stack([g.isfinite().all() for g in local]).all()).to(torch.int32)
+
+    def update(self, finite: bool) -> None:
+        """The step's agreed verdict moves the scale (DeepSpeed's rules)."""
+        if self.enabled:
+            self._update(finite)
 
     def _update(self, finite: bool) -> None:
         """DeepSpeed's DynamicLossScaler.update_scale, without consecutive_hysteresis."""

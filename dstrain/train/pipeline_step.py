@@ -30,6 +30,7 @@ from dstrain.train.step import (
     global_counts,
     own_mean,
     set_aux_scale,
+    to_device,
 )
 
 
@@ -50,12 +51,13 @@ def pipeline_step(
     finish_grads: Callable[[], None] | None = None,
     guard: Guard | None = None,
     probes: Probes = NO_PROBES,
+    preempting: bool = False,
 ) -> StepResult:
     """`probes` time the optimizer phase and the collectives; the forward and backward phases
     are the pipeline timer's F, B, I, W and loss actions."""
     device = next(pipe.model.parameters()).device
-    labels = [mb[:, 1:].to(device) for mb in micro_batches]
-    counts = global_counts(labels, num_mtp, dp)
+    labels = [mb[:, 1:] for mb in micro_batches]  # on the host: counted without a device sync
+    counts = global_counts(labels, num_mtp, dp, device)
     multiplier = scaler.loss_multiplier()
     set_aux_scale(pipe.model, multiplier / len(micro_batches))
 
@@ -65,7 +67,8 @@ def pipeline_step(
 
     pipe.loss.fn = timer.timed_loss(loss_fn)
     pipe.loss.parts = {}
-    batch = torch.cat(micro_batches).to(device)  # the schedule splits it back into micro-batches
+    # One copy of the step's batch (the schedule splits it back into micro-batches).
+    batch = to_device(torch.cat(micro_batches), device)
     args = (batch[:, :-1],) if pipe.has_first else ()
     kwargs = {"next_tokens": batch[:, 1:]} if pipe.has_last and num_mtp else {}
     target = batch[:, 1:] if pipe.has_last else None
@@ -87,7 +90,7 @@ def pipeline_step(
         local = torch.stack([pipe.loss.parts.get(k, zero) for k in ("main", "mtp")])
         dist.all_reduce(local, group=pipe.group)  # the loss lives on the last stage's rank
         sums = dp.sum(local.clone())
-        grad_norm, applied, load = apply_update(
+        update = apply_update(
             pipe.model,
             optimizer,
             scaler,
@@ -98,15 +101,17 @@ def pipeline_step(
             guard,
             pp_group=pipe.group,
             uncounted=_uncounted(pipe),
+            preempting=preempting,
         )
     return StepResult(
         loss=sums[0],
         local_loss=own_mean(local[0], labels, counts),
         mtp_loss=sums[1] if num_mtp else None,
-        grad_norm=grad_norm,
-        skipped=not applied,
+        grad_norm=update.grad_norm,
+        skipped=not update.applied,
         tokens=counts.per_depth[0],
-        expert_load=_gather_loads(load, pipe, num_experts, device),
+        expert_load=_gather_loads(update.expert_load, pipe, num_experts, device),
+        preempted=update.preempted,
     )
 
 

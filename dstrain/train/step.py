@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from dstrain.metrics.probes import NO_PROBES, Probes
 from dstrain.model.moe import MoE, Router
+from dstrain.train.agreement import agree
 from dstrain.train.loss import TokenCounts, loss_terms
 from dstrain.train.loss_scale import LossScaler
 
@@ -36,6 +37,7 @@ class StepResult:
     skipped: bool
     tokens: int  # target tokens of the global batch
     expert_load: dict[str, torch.Tensor]  # router name -> tokens per expert, global batch
+    preempted: bool = False  # some rank got SIGTERM: every rank stops after this step
 
 
 @dataclass(frozen=True)
@@ -75,13 +77,18 @@ def train_step(
     finish_grads: Callable[[], None] | None = None,
     guard: "Guard | None" = None,
     probes: Probes = NO_PROBES,
+    preempting: bool = False,
 ) -> StepResult:
     """`finish_grads` runs after the last backward, before clipping: the gradient reductions the
     DP wrappers do not do (expert-parallel experts). `guard(loss, grad_norm)` may refuse the
-    update (the numerics guard). `probes` time the phases and the collectives."""
+    update (the numerics guard). `probes` time the phases and the collectives. `preempting`:
+    this rank got SIGTERM (the result says whether any rank did)."""
     device = next(model.parameters()).device
-    labels = [mb[:, 1:].to(device) for mb in micro_batches]
-    counts = global_counts(labels, num_mtp, dp)
+    # Counted on the host, before the copy: no device sync for the divisors of the loss.
+    host_labels = [mb[:, 1:] for mb in micro_batches]
+    counts = global_counts(host_labels, num_mtp, dp, device)
+    micro_batches = [to_device(mb, device) for mb in micro_batches]
+    labels = [mb[:, 1:] for mb in micro_batches]
     # The balance loss enters backward on its own (AddAuxiliaryLoss): loss-scaled like the main
     # loss, averaged over micro-batches, and (unlike the main loss) averaged over dp by DDP/FSDP.
     set_aux_scale(model, scaler.loss_multiplier() / len(micro_batches))
@@ -91,7 +98,7 @@ def train_step(
         with probes.phase("forward"):
             last = i == len(micro_batches) - 1
             with grad_sync(model, last=last, defer=dp.defer_sync), autocast(precision, device):
-                outputs = model(mb[:, :-1].to(device))
+                outputs = model(mb[:, :-1])
             total, parts = loss_terms(outputs, lab, counts, mtp_weight)
         with probes.phase("backward"):
             (total * (scaler.loss_multiplier() * dp.size)).backward()
@@ -101,13 +108,30 @@ def train_step(
     with probes.phase("optimizer"):
         if finish_grads is not None:
             finish_grads()
-        local_loss = own_mean(loss.detach(), labels, counts)
+        local_loss = own_mean(loss.detach(), host_labels, counts)
         loss = dp.sum(loss.detach())
         mtp_loss = dp.sum(mtp_loss.detach()) if mtp_loss is not None else None
-        grad_norm, applied, load = apply_update(
-            model, optimizer, scaler, loss, grad_clip, bias_update_speed, dp, guard
+        update = apply_update(
+            model,
+            optimizer,
+            scaler,
+            loss,
+            grad_clip,
+            bias_update_speed,
+            dp,
+            guard,
+            preempting=preempting,
         )
-    return StepResult(loss, local_loss, mtp_loss, grad_norm, not applied, counts.per_depth[0], load)
+    return StepResult(
+        loss,
+        local_loss,
+        mtp_loss,
+        update.grad_norm,
+        not update.applied,
+        counts.per_depth[0],
+        update.expert_load,
+        update.preempted,
+    )
 
 
 def own_mean(share: torch.Tensor, labels: list[torch.Tensor], counts: TokenCounts) -> torch.Tensor:
@@ -116,7 +140,7 @@ def own_mean(share: torch.Tensor, labels: list[torch.Tensor], counts: TokenCount
     return share * (counts.per_depth[0] / max(own, 1))
 
 
-Guard = Callable[[torch.Tensor, torch.Tensor], bool]
+Guard = Callable[[float, float], bool]  # (global loss, gradient norm) -> apply the update
 
 
 def apply_update(
@@ -131,20 +155,32 @@ def apply_update(
     *,
     pp_group: dist.ProcessGroup | None = None,
     uncounted: frozenset[torch.Tensor] = frozenset(),
-) -> tuple[torch.Tensor, bool, dict[str, torch.Tensor]]:
-    """After the last backward, on gradients that are complete: unscale and check (fp16), clip,
-    let the guard judge the global loss and norm, step, then move the balancing biases (not
-    after a refused step: its batch is dropped). Returns (grad norm, applied, expert loads).
-    `pp_group`: the pipeline ranks, which hold other parameters."""
+    preempting: bool = False,
+) -> "Update":
+    """After the last backward, on gradients that are complete: unscale (fp16), clip, agree
+    with every rank on the overflow and preemption flags and read the global loss and norm
+    (`agreement.agree`: one collective, one host sync), let the guard judge, step, then move
+    the balancing biases (not after a refused step: its batch is dropped). `pp_group`: the
+    pipeline ranks, which hold other parameters; `preempting`: this rank got SIGTERM."""
     params = [p for p in model.parameters() if p.grad is not None]
-    finite = scaler.unscale_and_check(params, loss.device)
+    overflow = scaler.unscale(params, loss.device)
     grad_norm = clip_grad_norm(params, grad_clip, pp_group=pp_group, uncounted=uncounted)
-    applied = finite and (guard is None or guard(loss, grad_norm))
+    verdict = agree(loss, grad_norm, overflow, preempting)
+    scaler.update(verdict.finite)
+    applied = verdict.finite and (guard is None or guard(verdict.loss, verdict.grad_norm))
     if applied:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     load = update_balancing_bias(model, bias_update_speed if applied else 0.0, dp)
-    return grad_norm, applied, load
+    return Update(grad_norm, applied, load, verdict.preempted)
+
+
+@dataclass(frozen=True)
+class Update:
+    grad_norm: torch.Tensor
+    applied: bool
+    expert_load: dict[str, torch.Tensor]
+    preempted: bool
 
 
 def clip_grad_norm(
@@ -175,11 +211,11 @@ def clip_grad_norm(
         dist.all_reduce(total_sq, group=pp_group)
     total = total_sq.sqrt()
     if max_norm > 0:
-        # Host sync: one scale factor for plain tensors and DTensors alike.
-        scale = min(1.0, max_norm / (total.item() + 1e-6))
-        if scale < 1.0:
-            for grads in by_kind.values():
-                torch._foreach_mul_(grads, scale)
+        # A tensor factor, as torch's clip_grad_norm_ uses: no host sync (1.0 when not clipping).
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for grads in by_kind.values():
+            local = [_local(g) for g in grads]
+            torch._foreach_mul_(local, coef.to(local[0].device))
     return total.detach()
 
 
@@ -216,12 +252,21 @@ def update_balancing_bias(
     return loads
 
 
-def global_counts(labels: list[torch.Tensor], num_mtp: int, dp: DataParallel) -> TokenCounts:
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One copy per micro-batch; non-blocking from the loader's pinned memory to a GPU."""
+    return batch.to(device, non_blocking=batch.is_pinned())
+
+
+def global_counts(
+    labels: list[torch.Tensor], num_mtp: int, dp: DataParallel, device: torch.device
+) -> TokenCounts:
+    """Target tokens per depth over the global batch; `labels` on the host (counted there)."""
     local = TokenCounts.of(labels, num_mtp)
     if dp.size == 1:
         return local
-    summed = dp.sum(torch.tensor(local.per_depth, dtype=torch.int64, device=labels[0].device))
-    return TokenCounts(tuple(int(n) for n in summed.tolist()))  # host sync: counts are divisors
+    summed = dp.sum(torch.tensor(local.per_depth, dtype=torch.int64, device=device))
+    # Host sync: the counts are the loss's divisors, needed as numbers before the forward.
+    return TokenCounts(tuple(int(n) for n in summed.tolist()))
 
 
 def grad_sync(model: nn.Module, *, last: bool, defer: bool) -> contextlib.AbstractContextManager:

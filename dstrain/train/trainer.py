@@ -74,7 +74,7 @@ class Trainer:
         self.heartbeat = Heartbeat(
             self.run_dir, self.world.rank, env_int("TORCHELASTIC_RESTART_COUNT", 0)
         )
-        self.preemption = Preemption(config.checkpoint.preemption_deadline_s, self.device)
+        self.preemption = Preemption(config.checkpoint.preemption_deadline_s)
         self.preempted, self._last_save_s = False, 0.0
         self.sinks = self._build_sinks()
         self.flops_per_token = training_flops_per_token(self.model_args, config.train.seq_len)
@@ -122,6 +122,7 @@ class Trainer:
             dp_rank=dp_rank,
             dp_size=self.dims.dp,
             seed=self.config.train.seed,
+            pin_memory=self.device.type == "cuda",
         )
 
     def _build_sinks(self) -> list[Sink]:
@@ -261,7 +262,7 @@ class Trainer:
                 if self.step % cfg.metrics.log_interval == 0 or self.step == cfg.train.steps:
                     self._log_metrics(last, window, progress)
                 self._maybe_save()
-                if self.preemption.requested():
+                if self.preemption.agreed(last.preempted):
                     self._preempt()
                     break
         unsaved = self.step > start and self.step % cfg.checkpoint.interval
@@ -352,6 +353,7 @@ class Trainer:
             finish_grads=self._finish_grads,
             guard=self.guard.allow,
             probes=self.probes,
+            preempting=self.preemption.signalled,
         )
         self.heartbeat.beat(self.step, "data")
         with self.probes.phase("data"):

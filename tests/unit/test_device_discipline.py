@@ -3,7 +3,7 @@ Checked without a GPU (`tests/device_check.py`): the run's device is `meta` (not
 process group torch's fake one, and every collective's tensor devices are recorded. Covers the
 training step (token counts, loss sums, gradient clipping, the loss scaler's overflow agreement,
 the MoE loads), the pipeline's loss, load and tied-embedding reductions, the pipeline timer,
-the metrics processor's gather and the preemption agreement."""
+the metrics processor's gather, and the step's overflow and preemption agreement."""
 
 from types import SimpleNamespace
 
@@ -17,9 +17,9 @@ from dstrain.metrics.probes import Probes
 from dstrain.metrics.processor import MetricsProcessor, StepFigures, Throughput, Window
 from dstrain.model.transformer import build_model
 from dstrain.parallel.pipeline import TiedEmbedding
+from dstrain.train.agreement import agree
 from dstrain.train.loss_scale import LossScaler
 from dstrain.train.pipeline_step import _gather_loads
-from dstrain.train.preemption import Preemption
 from dstrain.train.step import DataParallel, train_step
 from tests.device_check import DEVICE, device_check
 from tests.unit.tiny import tiny_args
@@ -52,12 +52,14 @@ def test_the_training_step_keeps_collectives_on_the_device(fp16):
     assert recorded.off_device() == []
 
 
-def test_the_loss_scalers_overflow_agreement_stays_on_the_device():
+def test_the_overflow_and_preemption_agreement_stays_on_the_device():
     with device_check() as recorded:
         param = torch.nn.Parameter(torch.ones(4, device=DEVICE))
         param.grad = torch.ones(4, device=DEVICE)
-        LossScaler(LossScaleConfig(), enabled=True).unscale_and_check([param], DEVICE)
-    assert recorded.calls and recorded.off_device() == []
+        overflow = LossScaler(LossScaleConfig(), enabled=True).unscale([param], DEVICE)
+        one = torch.ones((), device=DEVICE)
+        agree(one, one, overflow, preempting=True)
+    assert recorded.calls == [("all_reduce", ("meta",))]
 
 
 def test_the_pipeline_timer_reduces_on_the_device():
@@ -90,10 +92,4 @@ def test_the_metrics_processor_gathers_on_the_device(monkeypatch):
         window.stop(128)
         one = torch.ones((), device=DEVICE)
         processor.collect(StepFigures(loss=one, grad_norm=one, local_loss=one, lr=1e-3), window)
-    assert recorded.calls and recorded.off_device() == []
-
-
-def test_the_preemption_agreement_stays_on_the_device():
-    with device_check() as recorded:
-        Preemption(5.0, DEVICE).requested()
     assert recorded.calls and recorded.off_device() == []

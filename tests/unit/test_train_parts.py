@@ -39,7 +39,9 @@ def test_loss_scaler_follows_deepspeed():
 
     def step(grad):
         param.grad = torch.tensor(grad) * scaler.scale
-        return scaler.unscale_and_check([param], param.device)
+        finite = not scaler.unscale([param], param.device).item()
+        scaler.update(finite)
+        return finite
 
     assert scaler.scale == 16
     assert step([1.0, 2.0]) and torch.equal(param.grad, torch.tensor([1.0, 2.0]))
@@ -61,7 +63,9 @@ def test_static_loss_scale_never_changes():
     scaler = LossScaler(LossScaleConfig(loss_scale=128.0), enabled=True)
     param = torch.nn.Parameter(torch.ones(1))
     param.grad = torch.tensor([math.inf])
-    assert not scaler.unscale_and_check([param], param.device) and scaler.scale == 128.0
+    assert scaler.unscale([param], param.device).item() == 1
+    scaler.update(False)
+    assert scaler.scale == 128.0
 
 
 def test_no_weight_decay_on_vectors():
