@@ -5,7 +5,8 @@ to the host, then hands to a collective, crashes a GPU run and passes on gloo. T
 failure class here, the run's device is `meta`, a device that is not the CPU and needs no GPU:
 the model and the batches live there, torch's fake process group takes the collectives, and
 `device_check()` records every collective with the devices of its tensors. Meta tensors hold no
-data, so inside the block `.item()` and `.tolist()` answer 1 (True for bools).
+data, so inside the block `.item()` and `.tolist()` answer 1 (True for bools); each such read
+(and each copy of a device tensor to the host) is recorded too: on a GPU each is a host sync.
 """
 
 import contextlib
@@ -32,25 +33,33 @@ COLLECTIVES = (
 
 class _Scalars(TorchDispatchMode):
     """`.item()` of a data-less tensor: a plausible constant instead of an error; its copy to
-    the host (after a collective, to read the result): ones."""
+    the host (after a collective, to read the result): ones. Each is a host sync on a GPU, and
+    is counted."""
+
+    def __init__(self, recorded: "Recorded") -> None:
+        super().__init__()
+        self.recorded = recorded
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         source = args[0] if args else None
         if func is torch.ops.aten._local_scalar_dense.default and source.is_meta:
+            self.recorded.syncs.append("item")
             dtype = source.dtype
             return True if dtype == torch.bool else (1.0 if dtype.is_floating_point else 1)
         to_host = func is torch.ops.aten._to_copy.default and source.is_meta
         if to_host and torch.device(kwargs.get("device") or "meta").type == "cpu":
+            self.recorded.syncs.append("to host")
             return torch.ones(source.shape, dtype=kwargs.get("dtype") or source.dtype)
         return func(*args, **kwargs)
 
 
-def _tolist(original):
+def _tolist(original, recorded: "Recorded"):
     @functools.wraps(original)
     def tolist(self: torch.Tensor):
         if not self.is_meta:
             return original(self)
+        recorded.syncs.append("tolist")
         ones = torch.ones(self.shape, dtype=torch.int64)
         return ones.bool().tolist() if self.dtype == torch.bool else ones.tolist()
 
@@ -60,6 +69,7 @@ def _tolist(original):
 @dataclass
 class Recorded:
     calls: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+    syncs: list[str] = field(default_factory=list)  # device -> host reads (host syncs on a GPU)
 
     def off_device(self) -> list[tuple[str, tuple[str, ...]]]:
         """The collectives that got a tensor on another device than the run's."""
@@ -95,9 +105,9 @@ def device_check(world_size: int = 2, rank: int = 0) -> Iterator[Recorded]:
     for name, original in originals.items():
         setattr(dist, name, recording(name, original))
     tolist = torch.Tensor.tolist
-    torch.Tensor.tolist = _tolist(tolist)
+    torch.Tensor.tolist = _tolist(tolist, recorded)
     try:
-        with _Scalars():
+        with _Scalars(recorded):
             yield recorded
     finally:
         torch.Tensor.tolist = tolist

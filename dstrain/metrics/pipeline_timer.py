@@ -8,14 +8,16 @@ function through which every schedule waits for its sends and receives (R, part 
 `pipeline/p2p_wait_fraction` says how much of it is waiting on a peer rather than Python
 overhead between actions).
 
-Definition (the one the closed forms use): each step, the ranks of a pipeline line up at a barrier,
-run the schedule, and line up again. The interval between the barriers is the pipeline-busy
-interval; what a rank did not spend computing in it (waiting for activations or gradients,
-send/recv, the cool-down wait for the other ranks) is its bubble:
+Definition (the one the closed forms use): the pipeline-busy interval of a step is the longest
+rank's time in the schedule (the first stage's, which starts first and runs the last backward);
+what a rank did not spend computing in it (waiting for activations or gradients, send/recv, the
+cool-down wait for the other ranks) is its bubble:
 
     bubble_fraction = 1 - sum over ranks(compute) / (pp x interval)
 
-which is the mean over the pipeline ranks of each rank's idle share.
+which is the mean over the pipeline ranks of each rank's idle share. Each rank times its own
+span; the longest one per step is found when the window is collected (one all-gather per log
+line), so no barrier stands between the steps.
 """
 
 import time
@@ -54,7 +56,8 @@ class PipelineTimer:
         self.device = device
         self.phases = phases
         self.after_backward = after_backward
-        self.window = torch.zeros(2 + 2 * len(KINDS), dtype=torch.float64)
+        self.window = torch.zeros(2 + 2 * len(KINDS), dtype=torch.float64)  # [_, steps, ...]
+        self.spans: list[float] = []  # this rank's time in the schedule, per step
         self.run_bubble: list[float] = []
         self._t0 = 0.0
 
@@ -73,36 +76,29 @@ class PipelineTimer:
         return self._timed(fn, lambda *a, **k: "L")
 
     def start(self) -> None:
-        if self.group is not None:
-            dist.barrier(group=self.group)
         self._t0 = time.perf_counter()
         _ACTIVE.append(self)
 
     def stop(self) -> None:
         _ACTIVE.remove(self)
-        if self.group is not None:
-            dist.barrier(group=self.group)
-        self.window[0] += time.perf_counter() - self._t0
+        self.spans.append(time.perf_counter() - self._t0)
         self.window[1] += 1
 
     def collect(self, schedule: str, microbatches: int, virtual_stages: int) -> dict[str, float]:
-        """The window's figures, identical on every pipeline rank (one all-reduce), then reset:
+        """The window's figures, identical on every pipeline rank (one all-gather), then reset:
         bubble fraction, p2p-wait share, the mean milliseconds per F, B, I and W action, the
         stage imbalance (the busiest rank's compute over the mean: a slow stage idles the
         others, a bubble no schedule removes; trimming layers off it is the fix), and the
         schedule's theoretical bubble for the measured costs."""
         size = dist.get_world_size(self.group) if self.group is not None else 1
-        rank = dist.get_rank(self.group) if self.group is not None else 0
-        per_rank = torch.zeros(size, dtype=torch.float64)
-        per_rank[rank] = self.window[2 : 2 + 2 * len(COMPUTE) : 2].sum()
-        totals = torch.cat([self.window, per_rank])
+        spans = torch.tensor(self.spans, dtype=torch.float64)
+        rows = self._gather(torch.cat([self.window, spans]))
         self.window.zero_()
-        if self.group is not None:
-            on_device = totals.to(self.device)
-            dist.all_reduce(on_device, group=self.group)
-            totals = on_device.cpu()  # host sync: once per log line
-        totals, per_rank = totals[:-size], totals[-size:]
-        # Summed over the ranks: the interval is pp x the busy interval, as the definition needs.
+        self.spans.clear()
+        width = self.window.numel()
+        totals = rows[:, :width].sum(0)
+        per_rank = rows[:, 2 : 2 + 2 * len(COMPUTE) : 2].sum(1)
+        totals[0] = size * rows[:, width:].max(0).values.sum()  # pp x the busy intervals
         interval, sums = totals[0].item(), totals[2::2]
         if interval <= 0:
             return {}
@@ -126,6 +122,16 @@ class PipelineTimer:
                 schedule, size, microbatches, virtual_stages, costs
             )
         return figures
+
+    def _gather(self, row: torch.Tensor) -> torch.Tensor:
+        """[pp ranks, len(row)]: every pipeline rank's window, through the run's device."""
+        if self.group is None:
+            return row.unsqueeze(0)
+        size = dist.get_world_size(self.group)
+        local = row.to(self.device)
+        rows = torch.empty(size * row.numel(), dtype=row.dtype, device=local.device)
+        dist.all_gather_into_tensor(rows, local, group=self.group)
+        return rows.view(size, -1).cpu()  # host sync: once per log line
 
     def mean_bubble(self) -> float | None:
         """The mean of the collected windows, for summary.json."""

@@ -2,8 +2,11 @@
 rank that stops responding can be named, by the ranks that time out waiting for it and by
 `dstrain status RUN_DIR`.
 
-One small JSON file per rank, replaced atomically at every phase change (a few per step: the
-write costs tens of microseconds, nothing beside a step).
+One small JSON file per rank, rewritten in place at every phase change (three per step): the file
+is opened once and each beat is one `pwrite` of a fixed-size record at offset 0, so a beat is no
+metadata operation (no create, no rename) on a shared filesystem, where 2,048 ranks renaming
+three files a step would make ~6,000 metadata operations per step. A reader may, rarely, catch a
+record half-written; it skips that file for that read.
 """
 
 import json
@@ -17,6 +20,7 @@ from dstrain.errors import UserError
 # In the order a step goes through them ("step": about to start step+1); a rank whose phase is
 # earlier than the others' at the same step is the one holding them up.
 PHASES = ("start", "step", "data", "compute", "checkpoint", "done", "failed")
+RECORD_BYTES = 256  # every record padded to this size, so each write covers the last one
 
 
 class Heartbeat:
@@ -26,6 +30,8 @@ class Heartbeat:
         self.path = self.folder / f"rank{rank}.json"
         self.rank, self.attempt = rank, attempt
         self.step, self.phase = 0, "start"
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+        os.ftruncate(self._fd, RECORD_BYTES)  # a longer file from an older version: cut
 
     def beat(self, step: int, phase: str) -> None:
         self.step, self.phase = step, phase
@@ -37,9 +43,10 @@ class Heartbeat:
             "pid": os.getpid(),
             "attempt": self.attempt,
         }
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, self.path)
+        os.pwrite(self._fd, json.dumps(record).encode().ljust(RECORD_BYTES), 0)
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 def read_heartbeats(run_dir: Path) -> list[dict[str, Any]]:

@@ -396,6 +396,7 @@ class Trainer:
         if self.probes.comm is not None:
             self.probes.comm.stop()
         self.heartbeat.beat(self.step, "done")
+        self.heartbeat.close()
         wall = time.perf_counter() - started
         tokens = (self.step - start) * self.batch.global_batch_size * self.config.train.seq_len
         tokens_per_s = tokens / wall if wall > 0 else 0.0
