@@ -26,7 +26,7 @@ from dstrain.model.transformer import build_model
 from dstrain.train.loss_scale import LossScaler
 from dstrain.train.step import DataParallel, train_step
 from dstrain.train.trainer import Trainer
-from tests.device_check import DEVICE, device_check
+from tests.device_check import device_check
 from tests.unit.tiny import tiny_args
 
 STEPS = 3
