@@ -19,6 +19,7 @@ class GPUSpec:
     fp16_tflops: float
     fp8_tflops: float | None
     fp32_tflops: float
+    tf32_tflops: float | None  # dense TF32 on tensor cores; None: no TF32 (pre-Ampere)
     hbm_gb: float
     hbm_tbps: float
     intra_node_gbps: float  # per GPU, one direction (NVLink / Infinity Fabric / PCIe)
@@ -29,12 +30,13 @@ class GPUSpec:
         return self.bf16_tflops is not None
 
     def peak_tflops(self, precision: str) -> float:
-        """Dense peak for a training precision (`bf16`, `fp16`, `fp8`, `fp32`)."""
+        """Dense peak for a training precision (`bf16`, `fp16`, `fp8`, `fp32`, `tf32`)."""
         peak = {
             "bf16": self.bf16_tflops,
             "fp16": self.fp16_tflops,
             "fp8": self.fp8_tflops,
             "fp32": self.fp32_tflops,
+            "tf32": self.tf32_tflops,
         }[precision]
         if peak is None:
             raise UserError(
@@ -48,17 +50,17 @@ class GPUSpec:
 GPUS: dict[str, GPUSpec] = {
     spec.name.lower(): spec
     for spec in (
-        GPUSpec("V100", None, 125.0, None, 15.7, 32, 0.90, 150, "NVLink2"),
-        GPUSpec("A100-40GB", 312.0, 312.0, None, 19.5, 40, 1.555, 300, "NVLink3"),
-        GPUSpec("A100-80GB", 312.0, 312.0, None, 19.5, 80, 2.039, 300, "NVLink3"),
-        GPUSpec("H100", 989.0, 989.0, 1979.0, 67.0, 80, 3.35, 450, "NVLink4"),
-        GPUSpec("H800", 989.0, 989.0, 1979.0, 67.0, 80, 3.35, 200, "NVLink4 (export)"),
-        GPUSpec("H200", 989.0, 989.0, 1979.0, 67.0, 141, 4.8, 450, "NVLink4"),
-        GPUSpec("B200", 2250.0, 2250.0, 4500.0, 80.0, 180, 8.0, 900, "NVLink5"),
-        GPUSpec("RTX4090", 165.2, 165.2, 330.3, 82.6, 24, 1.008, 32, "PCIe4 x16"),
-        GPUSpec("L40S", 362.0, 362.0, 733.0, 91.6, 48, 0.864, 32, "PCIe4 x16"),
-        GPUSpec("MI250X", 383.0, 383.0, None, 47.9, 128, 3.2, 200, "Infinity Fabric"),
-        GPUSpec("MI300X", 1307.0, 1307.0, 2615.0, 163.4, 192, 5.3, 448, "Infinity Fabric"),
+        GPUSpec("V100", None, 125.0, None, 15.7, None, 32, 0.90, 150, "NVLink2"),
+        GPUSpec("A100-40GB", 312.0, 312.0, None, 19.5, 156.0, 40, 1.555, 300, "NVLink3"),
+        GPUSpec("A100-80GB", 312.0, 312.0, None, 19.5, 156.0, 80, 2.039, 300, "NVLink3"),
+        GPUSpec("H100", 989.0, 989.0, 1979.0, 67.0, 494.7, 80, 3.35, 450, "NVLink4"),
+        GPUSpec("H800", 989.0, 989.0, 1979.0, 67.0, 494.7, 80, 3.35, 200, "NVLink4 (export)"),
+        GPUSpec("H200", 989.0, 989.0, 1979.0, 67.0, 494.7, 141, 4.8, 450, "NVLink4"),
+        GPUSpec("B200", 2250.0, 2250.0, 4500.0, 80.0, 1100.0, 180, 8.0, 900, "NVLink5"),
+        GPUSpec("RTX4090", 165.2, 165.2, 330.3, 82.6, 82.6, 24, 1.008, 32, "PCIe4 x16"),
+        GPUSpec("L40S", 362.0, 362.0, 733.0, 91.6, 183.0, 48, 0.864, 32, "PCIe4 x16"),
+        GPUSpec("MI250X", 383.0, 383.0, None, 47.9, None, 128, 3.2, 200, "Infinity Fabric"),
+        GPUSpec("MI300X", 1307.0, 1307.0, 2615.0, 163.4, 653.7, 192, 5.3, 448, "Infinity Fabric"),
     )
 }
 

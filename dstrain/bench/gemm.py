@@ -40,5 +40,5 @@ def gemm_tflops(device: torch.device) -> float:
 def gemm_settings(device: torch.device) -> dict[str, object]:
     """What the GEMM check ran, and the device's datasheet peak (GPUs in the table only)."""
     _, precision, size, iters = SETTINGS.get(device.type, SETTINGS["cpu"])
-    peak = peak_flops(device, precision) / 1e12 if device.type == "cuda" else None
+    peak = peak_flops(device, precision).flops / 1e12 if device.type == "cuda" else None
     return {"dtype": precision, "size": size, "iters": iters, "peak_tflops": peak or None}

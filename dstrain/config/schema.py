@@ -157,8 +157,16 @@ class TrainConfig(Section):
     seq_len: int = Field(128, gt=0, description="Tokens per training sequence.")
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32",
-        description="Compute precision: fp32, bf16 autocast (master weights stay fp32), or fp16 "
-        "with dynamic loss scaling (see train.loss_scale).",
+        description="Compute precision: fp32 (on Ampere or newer GPUs its matmuls run as TF32, "
+        "see train.tf32), bf16 autocast (master weights stay fp32), or fp16 with dynamic loss "
+        "scaling (see train.loss_scale). fp32 is the default so that a config computes the same "
+        "on a laptop and a GPU; GPU runs warn that bf16 is what large runs use.",
+    )
+    tf32: bool | None = Field(
+        None,
+        description="fp32 matmuls as TF32 on tensor cores. None = on for CUDA GPUs of compute "
+        "capability 8.0 (Ampere) or newer, off elsewhere; true = required (an error where it "
+        "cannot be); false = true fp32. MFU is counted against the peak of what runs.",
     )
     loss_scale: LossScaleConfig = Field(default_factory=LossScaleConfig)
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm. 0 = off.")

@@ -162,7 +162,7 @@ def _cluster(summary: dict, config, lines: dict[str, list[float]], world: int) -
         raise UserError("the run logged no MFU, so its device's peak is unknown", "")
     peak = _median(lines, "throughput/tflops_per_device") / mfu
     cpu = GPUSpec(
-        "cpu", peak, peak, None, peak, 1e3, CPU_MEMORY_TBPS, CPU_LOOPBACK_GBPS, "loopback"
+        "cpu", peak, peak, None, peak, None, 1e3, CPU_MEMORY_TBPS, CPU_LOOPBACK_GBPS, "loopback"
     )
     return Cluster(cpu, world, world, CPU_LOOPBACK_GBPS)
 

@@ -16,6 +16,7 @@ class RunSummary:
     tokens_per_s: float  # global, over the whole run (this attempt)
     tflops_per_device: float  # model FLOPs
     mfu: float
+    mfu_against: str  # the peak MFU counts against, and where it came from
     comm_exposed_fraction: float | None  # mean over the logged windows; None: timers off
     pipeline_bubble_fraction: float | None  # mean over the logged windows; None: no PP
     peak_rss_mb: float  # max over ranks

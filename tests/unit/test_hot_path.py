@@ -15,6 +15,7 @@ Budgets, per optimizer step:
 
 import builtins
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,7 +62,7 @@ def test_host_syncs_per_step(dp, fp16, budget):
 
 def test_file_writes_per_step(tmp_path, monkeypatch):
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text(open(torch.__file__).read() * 4)  # any text: torch's own __init__.py
+    corpus.write_text(Path(torch.__file__).read_text() * 4)  # any text: torch's __init__.py
     overrides = [
         f"data.source={corpus}",
         f"data.cache_dir={tmp_path / 'cache'}",
