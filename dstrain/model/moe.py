@@ -116,9 +116,12 @@ def grouped_swiglu(
     dtype = compute_dtype(x_TD)
     x_TD = x_TD.to(dtype)
     w1_EFD, w2_EDF, w3_EFD = (w.to(dtype) for w in (w1_EFD, w2_EDF, w3_EFD))
-    gate_TF = _grouped_matmul(x_TD, w1_EFD, counts_E)
-    up_TF = _grouped_matmul(x_TD, w3_EFD, counts_E)
-    return _grouped_matmul(F.silu(gate_TF) * up_TF, w2_EDF, counts_E)
+    matmul = _grouped_matmul
+    if dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        matmul = _eager_grouped_matmul
+    gate_TF = matmul(x_TD, w1_EFD, counts_E)
+    up_TF = matmul(x_TD, w3_EFD, counts_E)
+    return matmul(F.silu(gate_TF) * up_TF, w2_EDF, counts_E)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -140,6 +143,16 @@ def _grouped_matmul(
     # grouped_mm kernel takes bf16 only. Host sync: tolist() (the split sizes).
     chunks = x_TI.split(counts_E.tolist())
     return torch.cat([chunk @ w.T for chunk, w in zip(chunks, w_EOI, strict=True)])
+
+
+@torch.compiler.disable
+def _eager_grouped_matmul(
+    x_TI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor
+) -> torch.Tensor:
+    """`_grouped_matmul` outside torch.compile's graph: torch 2.13's meta kernel of
+    `_grouped_mm`, which compile traces with, takes bf16 only, while the eager CPU kernel runs
+    fp32 and fp16. The graph breaks around the experts; the rest of the block compiles."""
+    return _grouped_matmul(x_TI, w_EOI, counts_E)
 
 
 def _can_group(x_TI: torch.Tensor, w_EOI: torch.Tensor) -> bool:

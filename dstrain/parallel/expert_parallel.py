@@ -89,6 +89,10 @@ class ExpertParallelExperts(nn.Module):
             shard = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
             self.register_parameter(name, nn.Parameter(shard, requires_grad=full.requires_grad))
 
+    # Eager under torch.compile: the rows each rank receives change with the routing, and
+    # dynamo's dynamic shapes over these data-dependent sizes fail to build their guards in
+    # torch 2.13 ("sources must not be empty for symbol"); the graph breaks around the experts.
+    @torch.compiler.disable
     def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         group = self.ep_mesh.get_group()
         W, L = self.ep_mesh.size(), self.num_local_experts
