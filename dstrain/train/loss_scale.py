@@ -25,15 +25,18 @@ class LossScaler:
     def loss_multiplier(self) -> float:
         return self.scale if self.enabled else 1.0
 
-    def unscale(self, params: list[torch.Tensor], device: torch.device) -> torch.Tensor | None:
-        """Divide gradients by the scale; returns this rank's overflow flag (a 0-dim tensor on
-        `device`, 1 when a gradient is not finite), or None when loss scaling is off. Every rank
-        holds other gradients (shards under FSDP, layers under PP, experts under EP): the flags
-        are joined over the world (`train/agreement.py`), and `update` takes the verdict."""
+    def unscale(
+        self, params: list[torch.Tensor], device: torch.device, factor: float = 1.0
+    ) -> torch.Tensor | None:
+        """Multiply gradients by factor / scale (the factor: `step.backward_scale`); returns this
+        rank's overflow flag (a 0-dim tensor on `device`, 1 when a gradient is not finite), or
+        None when loss scaling is off. Every rank holds other gradients (shards under FSDP,
+        layers under PP, experts under EP): the flags are joined over the world
+        (`train/agreement.py`), and `update` takes the verdict."""
         if not self.enabled:
             return None
         grads = [p.grad for p in params if p.grad is not None]
-        torch._foreach_mul_(grads, 1.0 / self.scale)
+        torch._foreach_mul_(grads, factor / self.scale)
         if not grads:
             return torch.zeros((), dtype=torch.int32, device=device)
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]

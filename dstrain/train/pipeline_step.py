@@ -27,6 +27,7 @@ from dstrain.train.step import (
     StepResult,
     apply_update,
     autocast,
+    backward_scale,
     global_counts,
     own_mean,
     set_aux_scale,
@@ -58,12 +59,12 @@ def pipeline_step(
     device = next(pipe.model.parameters()).device
     labels = [mb[:, 1:] for mb in micro_batches]  # on the host: counted without a device sync
     counts = global_counts(labels, num_mtp, dp, device)
-    multiplier = scaler.loss_multiplier()
-    set_aux_scale(pipe.model, multiplier / len(micro_batches))
+    scale = backward_scale(scaler, dp.size, len(micro_batches))
+    set_aux_scale(pipe.model, scale.aux)
 
     def loss_fn(outputs: object, labels: torch.Tensor) -> tuple[torch.Tensor, dict]:
         total, parts = loss_terms(outputs, labels, counts, mtp_weight)
-        return total * (multiplier * dp.size), parts
+        return total * scale.loss, parts
 
     pipe.loss.fn = timer.timed_loss(loss_fn)
     pipe.loss.parts = {}
@@ -102,6 +103,7 @@ def pipeline_step(
             pp_group=pipe.group,
             uncounted=_uncounted(pipe),
             preempting=preempting,
+            after_reduce=scale.after,
         )
     return StepResult(
         loss=sums[0],

@@ -89,9 +89,8 @@ def train_step(
     counts = global_counts(host_labels, num_mtp, dp, device)
     micro_batches = [to_device(mb, device) for mb in micro_batches]
     labels = [mb[:, 1:] for mb in micro_batches]
-    # The balance loss enters backward on its own (AddAuxiliaryLoss): loss-scaled like the main
-    # loss, averaged over micro-batches, and (unlike the main loss) averaged over dp by DDP/FSDP.
-    set_aux_scale(model, scaler.loss_multiplier() / len(micro_batches))
+    scale = backward_scale(scaler, dp.size, len(micro_batches))
+    set_aux_scale(model, scale.aux)
     loss = torch.zeros((), device=device)
     mtp_loss = torch.zeros((), device=device) if num_mtp else None
     for i, (mb, lab) in enumerate(zip(micro_batches, labels, strict=True)):
@@ -101,7 +100,7 @@ def train_step(
                 outputs = model(mb[:, :-1])
             total, parts = loss_terms(outputs, lab, counts, mtp_weight)
         with probes.phase("backward"):
-            (total * (scaler.loss_multiplier() * dp.size)).backward()
+            (total * scale.loss).backward()
         loss = loss + parts["main"]
         if mtp_loss is not None:
             mtp_loss = mtp_loss + parts["mtp"]
@@ -121,6 +120,7 @@ def train_step(
             dp,
             guard,
             preempting=preempting,
+            after_reduce=scale.after,
         )
     return StepResult(
         loss,
@@ -132,6 +132,25 @@ def train_step(
         update.expert_load,
         update.preempted,
     )
+
+
+@dataclass(frozen=True)
+class BackwardScale:
+    loss: float  # the main (and MTP) loss's multiplier in backward
+    aux: float  # the balance loss's, per micro-batch (AddAuxiliaryLoss)
+    after: float  # what the unscale multiplies the reduced gradients by, besides 1 / scale
+
+
+def backward_scale(scaler: LossScaler, dp_size: int, micro_batches: int) -> BackwardScale:
+    """DDP/FSDP average gradients over dp, and the global-mean loss needs their sum: the backward
+    loss is multiplied by dp. The balance loss enters backward on its own, loss-scaled like the
+    main loss, averaged over micro-batches and (unlike the main loss) over dp. Under fp16 the x dp
+    would make every activation gradient dp times one process's, and so overflow where one
+    process does not: there the dp factor waits until after the reduction (the unscale)."""
+    m = scaler.loss_multiplier()
+    if scaler.enabled:
+        return BackwardScale(m, m / (micro_batches * dp_size), float(dp_size))
+    return BackwardScale(m * dp_size, m / micro_batches, 1.0)
 
 
 def own_mean(share: torch.Tensor, labels: list[torch.Tensor], counts: TokenCounts) -> torch.Tensor:
@@ -156,14 +175,16 @@ def apply_update(
     pp_group: dist.ProcessGroup | None = None,
     uncounted: frozenset[torch.Tensor] = frozenset(),
     preempting: bool = False,
+    after_reduce: float = 1.0,
 ) -> "Update":
     """After the last backward, on gradients that are complete: unscale (fp16), clip, agree
     with every rank on the overflow and preemption flags and read the global loss and norm
     (`agreement.agree`: one collective, one host sync), let the guard judge, step, then move
     the balancing biases (not after a refused step: its batch is dropped). `pp_group`: the
-    pipeline ranks, which hold other parameters; `preempting`: this rank got SIGTERM."""
+    pipeline ranks, which hold other parameters; `preempting`: this rank got SIGTERM;
+    `after_reduce`: the factor `backward_scale` left for the unscale."""
     params = [p for p in model.parameters() if p.grad is not None]
-    overflow = scaler.unscale(params, loss.device)
+    overflow = scaler.unscale(params, loss.device, after_reduce)
     grad_norm = clip_grad_norm(params, grad_clip, pp_group=pp_group, uncounted=uncounted)
     verdict = agree(loss, grad_norm, overflow, preempting)
     scaler.update(verdict.finite)

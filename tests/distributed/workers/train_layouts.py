@@ -3,7 +3,8 @@
 argv: OUT_DIR JSON, where JSON is {"common": [overrides], "layouts": {name: [overrides]}} and
 optionally "stop_at": N, to stop every layout after N steps with a checkpoint (a run cut short,
 its LR schedule still the whole run's), or "init_only": true, to save each layout's initial
-weights without training.
+weights without training. Each rank returns, per layout, its final loss and its own record of
+every step: whether it skipped the update and its loss scale after it (fp16 runs must agree).
 Under pipeline parallelism each rank holds some layers: the full state dicts of all ranks are
 merged (the MTP copy of the tied embedding is checked against the embedding, then dropped).
 """
@@ -79,13 +80,27 @@ def train_all(out_dir):
         if "stop_at" in spec:
             done[name] = cut_short(trainer, spec["stop_at"])
             continue
+        steps = record_steps(trainer)
         summary = trainer.train()
         state = full_weights(trainer)
         if dist.get_rank() == 0:
             torch.save(state, out_dir / f"{name}.pt")
-        done[name] = summary.final_loss
+        done[name] = {"loss": summary.final_loss, "steps": steps}
         dist.barrier()
     return done
+
+
+def record_steps(trainer: Trainer) -> list[dict]:
+    """This rank's own view of every step: skipped or not, and its loss scale after it."""
+    steps, one_step = [], trainer._one_step
+
+    def recorded():
+        result = one_step()
+        steps.append({"skipped": result.skipped, "scale": trainer.scaler.scale})
+        return result
+
+    trainer._one_step = recorded
+    return steps
 
 
 if __name__ == "__main__":

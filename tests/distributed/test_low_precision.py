@@ -1,0 +1,168 @@
+"""bf16 and fp16 in every layout, against one process in the same precision.
+
+bf16: every layout of the parity matrix and of the pipeline parity tests trains 4 steps of the
+debug flavor (seq 16, global batch 8: bf16 matmuls are ~45x slower than fp32 on AVX2-only CPUs)
+and its per-step losses must match the one-process bf16 run within BF16_RTOL. Why a tolerance
+and not fp32's 1e-6: one process runs bf16 as autocast over fp32 weights, FSDP2 as bf16 weight
+copies (its `param_dtype`), so elementwise work (norm weights, residual adds, the MoE combine)
+rounds at 8 bits of mantissa in one and not the other; and every reduction order (DP sums,
+reduce-scatters, TP partial sums, EP's per-rank grouped GEMMs) rounds differently in bf16.
+Measured (printed by the test, AMD EPYC with AVX512-BF16) up to 4.4e-5 relative over the 4
+steps (FSDP2 and EP layouts; DDP 6e-8, TP and PP 2e-6-5e-6): far below bf16's unit roundoff
+(2^-8 = 3.9e-3), since the loss itself is computed in fp32. The bound, 2e-4, leaves 4x for
+other CPUs' bf16 kernels, whose accumulation orders differ.
+
+fp16 with dynamic loss scaling: DDP, FSDP2 and PP from an initial scale of 2^20, so the first
+step overflows and is skipped while the scale halves. Every rank must skip the same steps and
+hold the same scale after each (the overflow verdict is agreed over the whole world), equal to
+one process's (the loss scale multiplies the backward loss exactly as one process does: the
+data-parallel factor is applied after the reduction, `step.backward_scale`); the losses match
+one process within FP16_RTOL (measured 6e-8).
+"""
+
+import json
+
+import pytest
+
+from dstrain.config.load import load_config
+from dstrain.train.trainer import Trainer
+from tests.distributed.harness import run_ranks
+from tests.distributed.test_parity_matrix import _losses
+from tests.distributed.workers.train_layouts import record_steps
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+BF16_RTOL = 2e-4  # measured up to 4.4e-5 (module docstring)
+FP16_RTOL = 1e-5  # measured up to 6.2e-8
+
+BF16_TWO_RANKS = {
+    "ddp": ["parallel.dp_shard=2", "parallel.zero_stage=0"],
+    "zero1": ["parallel.dp_shard=2", "parallel.zero_stage=1"],
+    "zero2": ["parallel.dp_shard=2", "parallel.zero_stage=2"],
+    "zero3": ["parallel.dp_shard=2", "parallel.zero_stage=3"],
+    "zero3_offload": [
+        "parallel.dp_shard=2",
+        "parallel.zero_stage=3",
+        "parallel.offload_optimizer=true",
+        "parallel.offload_params=true",
+    ],
+    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "ep2_in_fsdp": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero_stage=2"],
+    "ep2_outside_fsdp": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero_stage=0"],
+    "tp2_ep2": ["parallel.tp=2", "parallel.ep=2"],
+    "pp2_gpipe": ["parallel.pp=2", "parallel.pp_schedule=gpipe"],
+    "pp2_1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
+    "pp2_interleaved": [
+        "parallel.pp=2",
+        "parallel.pp_schedule=interleaved-1f1b",
+        "parallel.num_virtual_stages=2",
+    ],
+    "pp2_zbv": ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.num_virtual_stages=2"],
+    "pp2_dualpipev": [
+        "parallel.pp=2",
+        "parallel.pp_schedule=dualpipev",
+        "parallel.num_virtual_stages=2",
+    ],
+}
+BF16_FOUR_RANKS = {
+    "hsdp": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero_stage=3"],
+    "ep2_offload_outside_fsdp": [
+        "parallel.dp_shard=4",
+        "parallel.ep=2",
+        "parallel.zero_stage=3",
+        "parallel.offload_optimizer=true",
+        "parallel.offload_params=true",
+    ],
+    "pp2_dp2_zero1_ep2": [
+        "parallel.pp=2",
+        "parallel.dp_shard=2",
+        "parallel.ep=2",
+        "parallel.zero_stage=1",
+    ],
+}
+FP16 = {
+    "ddp": ["parallel.dp_shard=2", "parallel.zero_stage=0"],
+    "fsdp": ["parallel.dp_shard=2", "parallel.zero_stage=2"],
+    "pp2": ["parallel.pp=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lowp")
+    corpus = root / "corpus.txt"
+    corpus.write_text((_stdlib("json/decoder.py") + _stdlib("json/encoder.py")) * 4)
+    common = [
+        f"data.source={corpus}",
+        f"data.cache_dir={root / 'cache'}",
+        f"run.root={root / 'runs'}",
+        f"train.steps={STEPS}",
+        "train.seq_len=16",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=8",
+        "lr.warmup_steps=2",
+        "metrics.log_interval=1",
+        "metrics.tensorboard=false",
+        "checkpoint.enable=false",
+    ]
+    return root, common
+
+
+def _stdlib(rel: str) -> str:
+    import sysconfig
+    from pathlib import Path
+
+    return (Path(sysconfig.get_paths()["stdlib"]) / rel).read_text()
+
+
+def _one_process(root, common, name):
+    Trainer(load_config(None, [*common, f"run.name={name}"]).config).train()
+    return _losses(root, name)
+
+
+def _worst(expected, got):
+    return max(abs(a - b) / abs(a) for a, b in zip(expected, got, strict=True))
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_bf16_in_every_layout_matches_one_process(small, ranks):
+    root, common = small
+    common = [*common, "train.precision=bf16"]
+    reference = _one_process(root, common, f"bf16_reference{ranks}")
+    layouts = BF16_TWO_RANKS if ranks == 2 else BF16_FOUR_RANKS
+    spec = json.dumps({"common": common, "layouts": layouts})
+    run_ranks(ranks, "train_layouts", root / f"bf16_{ranks}", spec, timeout=1200)
+    for name in layouts:
+        worst = _worst(reference, _losses(root, name))
+        print(f"bf16 {name}: max loss rel diff {worst:.1e}")
+        assert worst <= BF16_RTOL, (name, worst)
+
+
+def test_fp16_skips_overflows_together_and_matches_one_process(small):
+    root, common = small
+    common = [
+        *common,
+        "train.precision=fp16",
+        "train.loss_scale.initial_scale_power=20",  # overflows at first: skipped, halved
+        "train.loss_scale.hysteresis=1",
+        "model.dim=64",  # fp16 CPU matmuls: the smallest shapes
+        "model.inter_dim=128",
+        "model.moe_inter_dim=32",
+    ]
+    trainer = Trainer(load_config(None, [*common, "run.name=fp16_reference"]).config)
+    expected = record_steps(trainer)
+    trainer.train()
+    reference_losses = _losses(root, "fp16_reference")
+    assert any(s["skipped"] for s in expected) and not all(s["skipped"] for s in expected)
+    spec = json.dumps({"common": common, "layouts": FP16})
+    ranks = run_ranks(2, "train_layouts", root / "fp16", spec, timeout=1200)
+    for name in FP16:
+        views = [rank[name]["steps"] for rank in ranks]
+        assert views[0] == views[1] == expected, (name, views, expected)
+        worst = _worst(reference_losses, _losses(root, name))
+        print(
+            f"fp16 {name}: skips agree ({sum(s['skipped'] for s in expected)} of {STEPS}); "
+            f"max loss rel diff {worst:.1e}"
+        )
+        assert worst <= FP16_RTOL, (name, worst)
