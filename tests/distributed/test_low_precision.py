@@ -47,8 +47,10 @@ BF16_TWO_RANKS = {
         "parallel.offload_optimizer=true",
         "parallel.offload_params=true",
     ],
+    "tp2": ["parallel.tp=2", "parallel.sequence_parallel=false"],
     "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
     "ep2_in_fsdp": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero_stage=2"],
+    "ep2_zero1": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero_stage=1"],
     "ep2_outside_fsdp": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero_stage=0"],
     "tp2_ep2": ["parallel.tp=2", "parallel.ep=2"],
     "pp2_gpipe": ["parallel.pp=2", "parallel.pp_schedule=gpipe"],
@@ -67,6 +69,27 @@ BF16_TWO_RANKS = {
 }
 BF16_FOUR_RANKS = {
     "hsdp": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero_stage=3"],
+    "dp4_zero1": ["parallel.dp_shard=4", "parallel.zero_stage=1"],
+    "dp2_tp2": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.zero_stage=2"],
+    "dp4_ep2": ["parallel.dp_shard=4", "parallel.ep=2", "parallel.zero_stage=3"],
+    "hsdp_ep2": [
+        "parallel.dp_replicate=2",
+        "parallel.dp_shard=2",
+        "parallel.ep=2",
+        "parallel.zero_stage=3",
+    ],
+    "pp4_gpipe": ["parallel.pp=4", "parallel.pp_schedule=gpipe"],
+    "pp4_1f1b": ["parallel.pp=4", "parallel.pp_schedule=1f1b"],
+    "pp2_dp2_ddp": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=0"],
+    "pp2_dp2_zero2_zbv": [
+        "parallel.pp=2",
+        "parallel.dp_shard=2",
+        "parallel.zero_stage=2",
+        "parallel.pp_schedule=zbv",
+        "parallel.num_virtual_stages=2",
+        "train.micro_batch_size=1",
+    ],
+    "pp2_tp2_sp": ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
     "ep2_offload_outside_fsdp": [
         "parallel.dp_shard=4",
         "parallel.ep=2",
@@ -79,6 +102,20 @@ BF16_FOUR_RANKS = {
         "parallel.dp_shard=2",
         "parallel.ep=2",
         "parallel.zero_stage=1",
+    ],
+}
+# pp4 with two stages per rank: 8 layers, and DualPipeV's 2 x pp = 8 micro-batches.
+BF16_FOUR_RANKS_8_STAGES = {
+    "pp4_interleaved": [
+        "parallel.pp=4",
+        "parallel.pp_schedule=interleaved-1f1b",
+        "parallel.num_virtual_stages=2",
+    ],
+    "pp4_zbv": ["parallel.pp=4", "parallel.pp_schedule=zbv", "parallel.num_virtual_stages=2"],
+    "pp4_dualpipev": [
+        "parallel.pp=4",
+        "parallel.pp_schedule=dualpipev",
+        "parallel.num_virtual_stages=2",
     ],
 }
 FP16 = {
@@ -125,14 +162,17 @@ def _worst(expected, got):
     return max(abs(a - b) / abs(a) for a, b in zip(expected, got, strict=True))
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_bf16_in_every_layout_matches_one_process(small, ranks):
+@pytest.mark.parametrize("case", ["2", "4", "4-8stages"])
+def test_bf16_in_every_layout_matches_one_process(small, case):
     root, common = small
     common = [*common, "train.precision=bf16"]
-    reference = _one_process(root, common, f"bf16_reference{ranks}")
-    layouts = BF16_TWO_RANKS if ranks == 2 else BF16_FOUR_RANKS
+    layouts = {"2": BF16_TWO_RANKS, "4": BF16_FOUR_RANKS}.get(case, BF16_FOUR_RANKS_8_STAGES)
+    if case == "4-8stages":
+        common = [*common, "model.num_layers=8", "train.micro_batch_size=1"]
+    reference = _one_process(root, common, f"bf16_reference{case}")
     spec = json.dumps({"common": common, "layouts": layouts})
-    run_ranks(ranks, "train_layouts", root / f"bf16_{ranks}", spec, timeout=1200)
+    ranks = int(case[0])
+    run_ranks(ranks, "train_layouts", root / f"bf16_{case}", spec, timeout=1200)
     for name in layouts:
         worst = _worst(reference, _losses(root, name))
         print(f"bf16 {name}: max loss rel diff {worst:.1e}")
