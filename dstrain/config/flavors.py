@@ -132,8 +132,14 @@ def flavor_args(name: str) -> ModelArgs:
 
 
 def resolve_model_args(model: ModelConfig) -> ModelArgs:
-    """The flavor's architecture with the section's non-None fields applied on top."""
-    base = read_hf_config(model.hf_config) if model.hf_config else flavor_args(model.flavor)
+    """The architecture (hf_config's, else the flavor's, else init_from's config.json, else
+    debug's) with the section's non-None fields applied on top."""
+    if model.hf_config:
+        base = read_hf_config(model.hf_config)
+    elif model.flavor is None and model.init_from:
+        base = read_hf_config(model.init_from)
+    else:
+        base = flavor_args(model.flavor or "debug")
     overrides = {
         name: value
         for name in ModelArgs.model_fields
@@ -150,3 +156,12 @@ def resolve_model_args(model: ModelConfig) -> ModelArgs:
 def _first_line(exc: Exception) -> str:
     lines = [line for line in str(exc).splitlines() if line.strip()]
     return " ".join(lines[1:3]) if len(lines) > 1 else str(exc)
+
+
+def model_name(model: ModelConfig) -> str:
+    """How the start-up log names the model."""
+    if model.hf_config:
+        return str(model.hf_config)
+    if model.flavor is None and model.init_from:
+        return f"{model.init_from} (its config.json)"
+    return model.flavor or "debug"

@@ -35,15 +35,24 @@ _ModelOverrides = create_model(  # type: ignore[call-overload]
 class ModelConfig(_ModelOverrides):  # type: ignore[misc, valid-type]
     """Which model: a flavor (or a Hugging Face config.json), then per-field overrides."""
 
-    flavor: str = Field(
-        "debug",
+    flavor: str | None = Field(
+        None,
         description="Built-in architecture: debug, deepseek-v2-lite, deepseek-moe-16b, "
-        "deepseek-v3, deepseek-llm-7b. `dstrain config --explain model` lists them.",
+        "deepseek-v3, deepseek-llm-7b (`dstrain config --explain model` lists them). None = "
+        "init_from's config.json when init_from is set, else debug.",
     )
     hf_config: Path | None = Field(
         None,
         description="A Hugging Face config.json (deepseek_v3, deepseek_v2, llama...) to read the "
-        "architecture from instead of `flavor`. None = use the flavor.",
+        "architecture from instead of `flavor`. None = use the flavor (or init_from's).",
+    )
+    init_from: Path | None = Field(
+        None,
+        description="A Hugging Face DeepSeek-V2/V3 checkpoint folder (config.json, safetensors, "
+        "index; FP8 with block scales too) whose weights the run starts from, each rank reading "
+        "only the slices it holds. Its config.json gives the architecture unless `flavor` or "
+        "`hf_config` is set; field overrides apply on top. The optimizer starts fresh; a resume "
+        "from the run's own checkpoint takes precedence. None = random initial weights.",
     )
 
 

@@ -115,7 +115,7 @@ def init_parameters(
                 box.local.fill_(1.0)
         else:
             fill(box, key, seed, draw)
-    _reset_buffers(model)
+    reset_buffers(model)
 
 
 def _draw_for(key: str, param: torch.Tensor, out_std: float) -> Draw | None:
@@ -132,7 +132,8 @@ def _draw_for(key: str, param: torch.Tensor, out_std: float) -> Draw | None:
 
 
 @torch.no_grad()
-def _reset_buffers(model: nn.Module) -> None:
+def reset_buffers(model: nn.Module) -> None:
+    """RoPE tables computed; balancing biases, load counters and the aux-loss record zero."""
     for module in model.modules():
         if type(module).__name__ == "RotaryEmbedding":
             module.reset_parameters()

@@ -1,6 +1,7 @@
 """Materialising a model built on `meta` after it was parallelised: each rank allocates only the
 shards it holds (`to_empty`) and fills them with the layout-invariant initial weights of
-`dstrain/model/init.py`, so gathered weights equal a one-process run's bit for bit.
+`dstrain/model/init.py`, so gathered weights equal a one-process run's bit for bit; or, with
+`model.init_from`, with its slices of a Hugging Face checkpoint (`dstrain/model/hf_load.py`).
 
 Order (torchtitan's): build on meta -> TP, EP, activation checkpointing, compile, FSDP2 -> here
 -> DDP (which needs real tensors: it broadcasts rank 0's at wrap time).
@@ -11,6 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from dstrain.model.hf_load import HFCheckpoint, load_parameters
 from dstrain.model.init import LocalBox, init_parameters, whole
 
 
@@ -28,7 +30,13 @@ def local_box(tensor: torch.Tensor) -> LocalBox:
     return LocalBox(local, tuple(tensor.shape), tuple(offset))
 
 
-def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
-    """Allocate `model`'s local shards on `device` and initialise them from `seed`."""
+def materialize(
+    model: nn.Module, device: torch.device, seed: int, weights: HFCheckpoint | None = None
+) -> None:
+    """Allocate `model`'s local shards on `device` and fill them: from `weights` (a checkpoint's
+    slices) when given, else the initialiser's draws from `seed`."""
     model.to_empty(device=device)
-    init_parameters(model, seed, local_box)
+    if weights is None:
+        init_parameters(model, seed, local_box)
+    else:
+        load_parameters(model, weights, local_box)

@@ -16,6 +16,7 @@ from torch import nn
 
 from dstrain.config.parallel_dims import ParallelDims
 from dstrain.config.schema import DstrainConfig
+from dstrain.model.hf_load import HFCheckpoint
 from dstrain.model.transformer import Transformer
 from dstrain.parallel.activation_checkpoint import apply_ac
 from dstrain.parallel.data_parallel import apply_ddp, apply_fsdp, apply_fsdp_experts
@@ -31,11 +32,12 @@ def parallelize_model(
     meshes: Meshes | None = None,
     *,
     device: torch.device | None,
+    weights: HFCheckpoint | None = None,
 ) -> nn.Module:
     """Apply every configured parallelism in order to `model` (built on `meta`), then
-    materialise this rank's shards on `device`. `device=None` leaves the parameters as they are:
-    on meta for a dry run, or a model that was materialised already. Returns the module to
-    train (DDP wraps)."""
+    materialise this rank's shards on `device` (from `weights`, a Hugging Face checkpoint, when
+    given). `device=None` leaves the parameters as they are: on meta for a dry run, or a model
+    that was materialised already. Returns the module to train (DDP wraps)."""
     dims = meshes.dims if meshes is not None else None
     if dims is not None and dims.tp > 1:
         apply_tp(model, meshes["tp"], sequence_parallel=config.parallel.sequence_parallel)
@@ -48,7 +50,7 @@ def parallelize_model(
     if data_parallel and config.parallel.zero_stage >= 1:
         _apply_fsdp(model, config, meshes)
     if device is not None:
-        materialize(model, device, config.train.seed)
+        materialize(model, device, config.train.seed, weights)
     if data_parallel and config.parallel.zero_stage == 0:
         if any(param.is_meta for param in model.parameters()):
             return model  # a dry run: DDP needs real tensors (the dry run counts its buckets)

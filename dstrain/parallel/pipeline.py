@@ -40,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dstrain.config.parallel_dims import stage_trim
 from dstrain.config.schema import DstrainConfig
 from dstrain.errors import UserError
+from dstrain.model.hf_load import HFCheckpoint
 from dstrain.model.transformer import Transformer
 from dstrain.parallel.mesh import Meshes
 from dstrain.parallel.parallelize import parallelize_model
@@ -195,6 +196,7 @@ def build_pipeline(
     microbatches: int,
     *,
     device: torch.device | None,
+    weights: HFCheckpoint | None = None,
 ) -> Pipeline:
     """Carve this rank's stages out of the full model (on `meta`: it costs no memory),
     parallelize each chunk on the non-pp axes and materialise it on `device` (None: stay on
@@ -222,7 +224,7 @@ def build_pipeline(
     tied = _tie_embeddings(union, meshes, p.pp_schedule) if model.mtp is not None else None
     stages = [
         PipelineStage(
-            parallelize_model(chunk, config, meshes, device=device),
+            parallelize_model(chunk, config, meshes, device=device, weights=weights),
             s,
             num_stages,
             device or torch.device("meta"),

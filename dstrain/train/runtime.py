@@ -16,6 +16,8 @@ from dstrain.config.parallel_dims import ParallelDims
 from dstrain.config.rules import CheckTarget, run_rules
 from dstrain.config.schema import DstrainConfig
 from dstrain.config.validate import raise_if_errors
+from dstrain.model.hf_load import HFCheckpoint
+from dstrain.model.hf_load import check as check_checkpoint
 from dstrain.model.transformer import build_model
 from dstrain.parallel.distributed import World
 from dstrain.parallel.mesh import Meshes, build_meshes
@@ -35,21 +37,37 @@ class Runtime:
     model: torch.nn.Module  # under PP, this rank's stages seen as one module
     pipeline: Pipeline | None
     optimizer: torch.optim.Optimizer
+    weights: HFCheckpoint | None = None  # where the initial weights came from (init_from)
 
 
-def build_runtime(config: DstrainConfig, world: World, *, materialize: bool = True) -> Runtime:
+def build_runtime(
+    config: DstrainConfig, world: World, *, materialize: bool = True, init_from: bool = True
+) -> Runtime:
     """Everything that depends on the layout, in dependency order. `materialize=False` (a dry
-    run) leaves the parameters on `meta`."""
+    run) leaves the parameters on `meta`; `init_from=False` (a resume, whose checkpoint brings
+    the weights) draws them instead of reading `model.init_from`."""
     args = resolve_model_args(config.model)
     dims = checked_dims(config, world.world_size, args)
     meshes = build_meshes(dims, _mesh_device(world)) if world.backend else None
     dp = _data_parallel(config, dims, meshes)
     batch = _batch(config, dims)
     device = world.device if materialize else None
-    model, pipeline = _model(config, args, dims, meshes, batch, device)
-    return Runtime(
-        args, dims, meshes, dp, batch, model, pipeline, build_optimizer(model, config.optim)
-    )
+    weights = initial_weights(config, args) if materialize and init_from else None
+    model, pipeline = _model(config, args, dims, meshes, batch, device, weights)
+    if weights is not None:
+        weights.close()
+    optimizer = build_optimizer(model, config.optim)
+    return Runtime(args, dims, meshes, dp, batch, model, pipeline, optimizer, weights)
+
+
+def initial_weights(config: DstrainConfig, args: ModelArgs) -> HFCheckpoint | None:
+    """`model.init_from`'s checkpoint, its tensors checked against the architecture (a missing,
+    extra or mis-shaped one is an error naming it) before anything is allocated."""
+    if config.model.init_from is None:
+        return None
+    checkpoint = HFCheckpoint(config.model.init_from)
+    check_checkpoint(checkpoint, args)
+    return checkpoint
 
 
 def checked_dims(config: DstrainConfig, world_size: int, args: ModelArgs) -> ParallelDims:
@@ -94,14 +112,20 @@ def _model(
     meshes: Meshes | None,
     batch: BatchPlan,
     device: torch.device | None,
+    weights: HFCheckpoint | None,
 ) -> tuple[torch.nn.Module, Pipeline | None]:
     """Built on `meta`, parallelised (or carved into stages), and only then materialised: a rank
     allocates its own shards, never the whole model; the layout-invariant initialiser gives the
     weights of a one-process run with the same seed."""
     model = build_model(args, device=None)
     if dims.pp == 1:
-        return parallelize_model(model, config, meshes, device=device), None
+        return parallelize_model(model, config, meshes, device=device, weights=weights), None
     pipeline = build_pipeline(
-        model, config, meshes, microbatches=batch.grad_accum_steps, device=device
+        model,
+        config,
+        meshes,
+        microbatches=batch.grad_accum_steps,
+        device=device,
+        weights=weights,
     )
     return pipeline.model, pipeline

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from dstrain import __version__
-from dstrain.config.flavors import resolve_model_args
+from dstrain.checkpoint.catalog import latest_valid
+from dstrain.config.flavors import model_name, resolve_model_args
 from dstrain.config.load import to_toml
 from dstrain.config.schema import DstrainConfig
 from dstrain.data.build import build_dataset
@@ -60,11 +61,12 @@ class Trainer:
             self.device,
             resolve_model_args(config.model),
         )
-        runtime = build_runtime(config, self.world)
+        runtime = build_runtime(config, self.world, init_from=not self._will_resume())
         self.model_args, self.dims, self.meshes = runtime.model_args, runtime.dims, runtime.meshes
         self.dp, self.batch = runtime.dp, runtime.batch
         self.model, self.pipeline = runtime.model, runtime.pipeline
         self.optimizer = runtime.optimizer
+        self.init_from = runtime.weights  # None: drawn (or resumed)
         self.tokenizer, self.dataset = build_dataset(
             config.data, vocab_size=self.model_args.vocab_size, seq_len=config.train.seq_len
         )
@@ -98,6 +100,15 @@ class Trainer:
             config.metrics.profile_steps, self.run_dir / "profile", self.world.rank, self.device
         )
         self._log_start()
+
+    def _will_resume(self) -> bool:
+        """A checkpoint will bring the weights: then `model.init_from` is not read."""
+        how = self.config.checkpoint.resume
+        if how == "never":
+            return False
+        if how != "auto":
+            return True
+        return latest_valid(self.run_dir / "checkpoints") is not None
 
     def _build_determinism(self) -> None:
         torch.manual_seed(self.config.train.seed)
@@ -201,6 +212,7 @@ class Trainer:
             "model": self.model_args.model_dump(mode="json"),
             "optimizer": self.config.optim.name,
             "dstrain_version": __version__,
+            "init_from": str(self.config.model.init_from or ""),
         }
 
     def _resume(self) -> None:
@@ -456,9 +468,16 @@ class Trainer:
         counts = param_counts(self.model_args)
         log(f"run directory {self.run_dir} (resolved config in config.toml)")
         log(
-            f"model {self.config.model.flavor}: {counts.total / 1e6:.2f}M parameters, "
+            f"model {model_name(self.config.model)}: {counts.total / 1e6:.2f}M parameters, "
             f"{counts.activated / 1e6:.2f}M activated per token"
         )
+        if self.init_from is not None:
+            log(
+                f"initial weights: {self.init_from.folder} ({len(self.init_from.tensors)} "
+                f"tensors; this rank read {self.init_from.bytes_read / 2**20:,.1f} of "
+                f"{self.init_from.total_bytes / 2**20:,.1f} MB, its slices; the optimizer "
+                "starts fresh)"
+            )
         log(f"precision: {self.precision.describe()}; MFU against {self.peak.source}")
         if self.precision.warning:
             log(f"warning: {self.precision.warning}")

@@ -86,6 +86,9 @@ def train_all(out_dir):
         if dist.get_rank() == 0:
             torch.save(state, out_dir / f"{name}.pt")
         done[name] = {"loss": summary.final_loss, "steps": steps}
+        if trainer.init_from is not None:
+            done[name]["init_from_read"] = trainer.init_from.bytes_read
+            done[name]["init_from_total"] = trainer.init_from.total_bytes
         dist.barrier()
     return done
 

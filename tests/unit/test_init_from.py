@@ -1,0 +1,121 @@
+"""`model.init_from`: a Hugging Face DeepSeek checkpoint as the run's initial weights, one process.
+The first step's loss equals transformers' on the same batch (fp32 and bf16 checkpoints, V3 and
+V2); an FP8 checkpoint dequantises exactly (against an fp64 reference, blocks that do not divide
+the shape included) and its loss is off by the quantisation error alone; a missing, extra or
+mis-shaped tensor is one error naming it and the fix. The distributed layouts are in
+tests/distributed/test_init_from.py."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from dstrain.config.load import load_config  # noqa: E402
+from dstrain.errors import UserError  # noqa: E402
+from dstrain.model.hf_load import HFCheckpoint  # noqa: E402
+from dstrain.train.trainer import Trainer  # noqa: E402
+from tests.hf_models import dequantise_block, hf_loss, hf_model, save, save_fp8  # noqa: E402
+
+BLOCK = 32  # FP8 blocks: 96 x 64 and 40 x 64 weights have partial ones
+FP32_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    import sysconfig
+    from pathlib import Path
+
+    root = tmp_path_factory.mktemp("init_from")
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "json" / "decoder.py").read_text()
+    (root / "corpus.txt").write_text(text * 3)
+    return root
+
+
+def _trainer(root, folder, *more):
+    overrides = [
+        f"model.init_from={folder}",
+        f"data.source={root / 'corpus.txt'}",
+        f"data.cache_dir={root / 'cache'}",
+        f"run.root={root / 'runs'}",
+        f"run.name={folder.name}",
+        "train.seq_len=32",
+        "train.micro_batch_size=4",
+        "train.global_batch_size=8",
+        "checkpoint.enable=false",
+        "metrics.tensorboard=false",
+        *more,
+    ]
+    return Trainer(load_config(None, overrides).config)
+
+
+def _first_step(trainer):
+    """(our first-step loss, the batches it saw)."""
+    position = trainer.loader.sample_position
+    batches = trainer.loader.next_step()
+    trainer.loader.sample_position = position
+    return trainer._one_step().loss.item(), batches
+
+
+@pytest.mark.parametrize(
+    "kind, dtype", [("v3", torch.float32), ("v3", torch.bfloat16), ("v2", torch.float32)]
+)
+def test_the_first_step_loss_is_transformers(corpus, tmp_path, kind, dtype):
+    hf = hf_model(kind)
+    folder = save(hf, tmp_path / f"{kind}-{str(dtype)[6:]}", dtype)
+    ours, batches = _first_step(_trainer(corpus, folder))
+    reference = hf_loss(hf.to(dtype).to(torch.float32), batches)
+    print(f"init_from {kind} {dtype}: ours {ours:.6f}, transformers {reference:.6f}")
+    assert abs(ours - reference) <= FP32_RTOL * reference, (ours, reference)
+
+
+def test_fp8_dequantises_exactly_and_costs_its_quantisation_error(corpus, tmp_path):
+    hf = hf_model("v3")
+    folder = save_fp8(hf, tmp_path / "v3-fp8", BLOCK)
+    checkpoint = HFCheckpoint(folder)
+    assert checkpoint.block == BLOCK
+    name = "model.layers.1.mlp.experts.3.gate_proj.weight"  # 24 x 64: partial row blocks
+    q_file = checkpoint.tensors[name][0]
+    from safetensors.torch import load_file
+
+    raw = load_file(str(q_file))
+    expected = dequantise_block(raw[name], raw[name + "_scale_inv"], BLOCK)
+    # Any box of it, including one that starts inside a block and ends in a partial one.
+    part = checkpoint.read(name, (slice(5, 24), slice(17, 64)))
+    assert torch.equal(part.double(), expected[5:24, 17:64].float().double())
+    fused = hf.state_dict()["model.layers.1.mlp.experts.gate_up_proj"]  # [E, 2F, D] in memory
+    original = fused[3, : fused.size(1) // 2].double()
+    error = (expected - original).abs().max() / original.abs().max()
+    assert error <= 2**-4  # e4m3: 3 mantissa bits, relative to the block's largest element
+    ours, batches = _first_step(_trainer(corpus, folder))
+    reference = hf_loss(hf, batches)
+    gap = abs(ours - reference) / reference
+    print(
+        f"init_from fp8: ours {ours:.6f}, transformers (unquantised) {reference:.6f}, "
+        f"rel {gap:.1e}; max weight error {error:.1e} of the block max"
+    )
+    assert gap <= 1e-2
+
+
+def test_bad_checkpoints_are_one_clear_error(corpus, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf = hf_model("v3")
+    folder = save(hf, tmp_path / "broken")
+    (file,) = folder.glob("*.safetensors")
+    tensors = load_file(str(file))
+    name = "model.layers.2.self_attn.o_proj.weight"
+    cases = {
+        "missing": ({k: v for k, v in tensors.items() if k != name}, name),
+        "extra": ({**tensors, "model.layers.9.mlp.gate.weight": tensors[name].clone()}, "layers.9"),
+        "shape": ({**tensors, name: tensors[name][:, :-1].contiguous()}, "is [64, 63]"),
+    }
+    for case, (changed, mention) in cases.items():
+        save_file(changed, str(file), metadata={"format": "pt"})
+        with pytest.raises(UserError) as caught:
+            _trainer(corpus, folder)
+        assert mention in caught.value.message, (case, caught.value.message)
+        assert caught.value.fix, case
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(UserError) as caught:  # the architecture asks for an MTP layer
+        _trainer(corpus, folder, "model.num_mtp_modules=1")
+    assert "model.num_mtp_modules=0" in caught.value.fix
