@@ -5,8 +5,11 @@ no torch, so they answer in milliseconds on a laptop. `export-hf` imports torch 
 """
 
 import argparse
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from dstrain.checkpoint.catalog import KINDS, checkpoints, latest_valid, locate, step_of
 from dstrain.checkpoint.manifest import Verdict, read_meta, verify
@@ -49,13 +52,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     export = actions.add_parser(
         "export-hf",
         help="write a run's newest checkpoint as a Hugging Face model folder",
-        description="Write config.json + model.safetensors in the DeepseekV3 (sigmoid routing) "
-        "or DeepseekV2 (softmax) layout; `transformers` loads it with from_pretrained. MTP "
-        "modules are written as extra layers after the last one, as DeepSeek publishes them.",
-        epilog="example: dstrain ckpt export-hf runs/default -o hf-debug",
+        description="Write config.json, model-0000N-of-0000M.safetensors and "
+        "model.safetensors.index.json in the DeepseekV3 (sigmoid routing) or DeepseekV2 "
+        "(softmax) layout; `transformers` loads it with from_pretrained, and `model.init_from` "
+        "trains from it. MTP modules are written as extra layers after the last one, as "
+        "DeepSeek publishes them. Streamed: the host holds about one output file at a time.",
+        epilog="example: dstrain ckpt export-hf runs/default -o hf-debug --dtype bf16",
     )
     export.add_argument("source", type=Path, metavar="RUN_DIR", help="runs/<name> or a step-N")
     export.add_argument("-o", "--output", type=Path, required=True, help="folder to write")
+    export.add_argument(
+        "--dtype",
+        choices=("bf16", "fp16", "fp32"),
+        default="bf16",
+        help="the weights' dtype (default bf16, as Hugging Face models ship; fp32 round-trips "
+        "bit for bit)",
+    )
+    export.add_argument(
+        "--shard-size",
+        type=_size,
+        default=2 * 2**30,
+        metavar="BYTES",
+        help="largest output file (K, M, G: powers of 1024; default 2G)",
+    )
+    add_json_flag(export)
     export.set_defaults(func=_export)
 
 
@@ -256,9 +276,36 @@ def _print_diff(path: Path, config: Path, diff: ResumeDiff, source: str) -> None
 def _export(args: argparse.Namespace) -> int:
     from dstrain.checkpoint.export import export_hf  # torch only when exporting
 
-    ckpt = export_hf(args.source, args.output)
-    console().print(f"exported {ckpt} -> {args.output}", markup=False)
+    with Progress(
+        TextColumn("exporting"), BarColumn(), MofNCompleteColumn(), TextColumn("tensors"),
+        console=console(stderr=True), transient=True,
+    ) as bar:  # fmt: skip
+        task = bar.add_task("export", total=None)
+        done = export_hf(
+            args.source,
+            args.output,
+            dtype=args.dtype,
+            shard_bytes=args.shard_size,
+            progress=lambda n, total: bar.update(task, completed=n, total=total),
+        )
+    if args.json:
+        print_json(asdict(done) | {"checkpoint": str(done.checkpoint), "output": str(done.output)})
+        return 0
+    console().print(
+        f"exported {done.checkpoint} -> {done.output}: {done.tensors} tensors in {done.files} "
+        f"file(s), {done.bytes / 2**20:,.1f} MB of {done.dtype}",
+        markup=False,
+    )
     return 0
+
+
+def _size(text: str) -> int:
+    from dstrain.bench.sizes import parse_size
+
+    try:
+        return parse_size(text)
+    except UserError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: give bytes, e.g. 512M or 2G") from exc
 
 
 # ---- formatting ------------------------------------------------------------------------------

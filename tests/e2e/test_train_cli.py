@@ -160,7 +160,7 @@ def test_export_hf_loads_in_transformers_with_the_same_logits(corpus, cache, tmp
     transformers = pytest.importorskip("transformers")
     assert _train(corpus, cache, tmp_path, "--set", "train.steps=3").code == 0
     out = tmp_path / "hf"
-    result = run_cli("ckpt", "export-hf", tmp_path / "default", "-o", out)
+    result = run_cli("ckpt", "export-hf", tmp_path / "default", "-o", out, "--dtype", "fp32")
     assert result.code == 0, result.text
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     from dstrain.checkpoint.export import _locate
@@ -182,6 +182,64 @@ def test_export_hf_loads_in_transformers_with_the_same_logits(corpus, cache, tmp
 def test_export_hf_bad_source(tmp_path):
     result = run_cli("ckpt", "export-hf", tmp_path, "-o", tmp_path / "out")
     assert result.code == 1 and "neither a run directory nor a checkpoint" in result.err
+
+
+def test_sharded_export_round_trips_through_init_from(corpus, cache, tmp_path):
+    """bf16 by default, in several files with an index; `--dtype fp32` and `model.init_from`
+    give the checkpoint's weights back bit for bit; bad -o and damaged checkpoints are one
+    clear message."""
+    import json
+
+    from dstrain.checkpoint.export import _locate
+
+    assert _train(corpus, cache, tmp_path, "--set", "train.steps=2").code == 0
+    run = tmp_path / "default"
+    bf16 = run_cli(
+        "ckpt", "export-hf", run, "-o", tmp_path / "bf16", "--shard-size", "2M", "--json"
+    )
+    assert bf16.code == 0, bf16.text
+    report = bf16.json()
+    files = sorted((tmp_path / "bf16").glob("*.safetensors"))
+    assert report["files"] == len(files) > 1 and report["dtype"] == "bf16"
+    index = json.loads((tmp_path / "bf16" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {f.name for f in files}
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    fp32 = run_cli("ckpt", "export-hf", run, "-o", tmp_path / "fp32", "--dtype", "fp32")
+    assert fp32.code == 0, fp32.text
+    # Round trip: a new run from the export holds the checkpoint's weights, bit for bit.
+    from dstrain.config.load import load_config
+    from dstrain.train.trainer import Trainer
+
+    saved = {"model": {}}
+    ckpt = _locate(run)[1]
+    trainer = Trainer(
+        load_config(
+            None,
+            [
+                f"model.init_from={tmp_path / 'fp32'}",
+                f"data.source={corpus}",
+                f"data.cache_dir={cache}",
+                f"run.root={tmp_path}",
+                "run.name=from_export",
+                "train.seq_len=32",
+            ],
+        ).config
+    )
+    ours = trainer.model.state_dict()
+    saved["model"] = {k: torch.empty_like(v) for k, v in ours.items() if "tokens_per" not in k}
+    store.load(ckpt, saved)
+    for name, value in saved["model"].items():
+        assert torch.equal(ours[name], value), name
+    # Bad -o: a file, or a folder that already holds a model.
+    (tmp_path / "a_file").write_text("x")
+    for target, words in ((tmp_path / "a_file", "is a file"), (tmp_path / "fp32", "already holds")):
+        bad = run_cli("ckpt", "export-hf", run, "-o", target)
+        assert bad.code == 1 and words in bad.err and "Traceback" not in bad.text, bad.text
+    # A damaged checkpoint named explicitly.
+    shard = next(ckpt.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-8])
+    damaged = run_cli("ckpt", "export-hf", ckpt, "-o", tmp_path / "damaged")
+    assert damaged.code == 1 and "not a valid checkpoint" in damaged.err, damaged.text
 
 
 def test_fresh_refuses_to_mix_two_runs(corpus, cache, tmp_path):
