@@ -385,6 +385,19 @@ def rule_paths(t: CheckTarget) -> Iterable[Finding]:
             f"data path not found: {c.data.source}",
             "point data.source at a .txt/.jsonl/.parquet file or folder, or use `embedded`",
         )
+    tokenizer = c.data.tokenizer
+    if tokenizer not in ("bpe", "bytes") and not Path(tokenizer).exists():
+        yield error(
+            "data.tokenizer",
+            f"tokenizer not found: {tokenizer}",
+            "use `bpe`, `bytes`, or a path to a tokenizer.json or a Hugging Face tokenizer folder",
+        )
+    if c.model.init_from is not None and not (Path(c.model.init_from) / "config.json").exists():
+        yield error(
+            "model.init_from",
+            f"{c.model.init_from} is not a Hugging Face checkpoint folder (no config.json)",
+            "point model.init_from at a folder with config.json and *.safetensors",
+        )
     if c.checkpoint.resume not in ("auto", "never") and not Path(c.checkpoint.resume).exists():
         yield error(
             "checkpoint.resume",

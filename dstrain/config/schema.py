@@ -237,10 +237,12 @@ class DataConfig(Section):
         "tokenized shards.",
     )
     text_field: str = Field("text", description="JSONL/parquet column that holds the text.")
-    tokenizer: Literal["bpe", "bytes"] = Field(
+    tokenizer: str = Field(
         "bpe",
         description="`bpe`: byte-level BPE trained locally on the corpus (cached); `bytes`: raw "
-        "UTF-8 bytes plus an end-of-document id (vocabulary 257).",
+        "UTF-8 bytes plus an end-of-document id (vocabulary 257); or a path to a pretrained "
+        "tokenizer: a tokenizer.json, or a Hugging Face tokenizer folder (its special tokens, "
+        "BOS/EOS and chat template are used). Its vocabulary must fit model.vocab_size.",
     )
     cache_dir: Path = Field(
         Path(".cache/dstrain"), description="Where tokenizers and token shards are cached."

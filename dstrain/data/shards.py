@@ -135,6 +135,8 @@ def _write(corpus: Corpus, tokenizer: Tokenizer, directory: Path, shard_tokens: 
     for batch in corpus.batches(_ENCODE_BATCH_DOCS):
         flat: list[int] = []
         for ids in tokenizer.encode_batch(batch):
+            if tokenizer.bos_id is not None:
+                flat.append(tokenizer.bos_id)
             flat += ids
             flat.append(tokenizer.eos_id)
         tokens = np.array(flat, dtype=_dtype(dtype))

@@ -33,6 +33,8 @@ class Tokenizer(ABC):
     name: str  # identifies the kind and size in cache paths and manifests, e.g. "bpe-2048"
     vocab_size: int
     eos_id: int
+    bos_id: int | None = None  # written before each document when set (pretrained tokenizers)
+    chat_template: str | None = None  # Jinja, for instruction data (pretrained tokenizers)
     fingerprint: str  # changes whenever encode() could give different ids
 
     @abstractmethod
@@ -120,8 +122,13 @@ class BPETokenizer(Tokenizer):
 
 
 def build_tokenizer(kind: str, vocab_size: int, corpus: Corpus, cache_dir: Path) -> Tokenizer:
-    """`bytes`, or `bpe` trained on `corpus` to at most `vocab_size` ids (the model's
-    vocabulary) and cached at `cache_dir/tokenizers/bpe-<vocab>-<fingerprint[:16]>.json`."""
+    """`bytes`, `bpe` trained on `corpus` to at most `vocab_size` ids (the model's vocabulary)
+    and cached at `cache_dir/tokenizers/bpe-<vocab>-<fingerprint[:16]>.json`, or a pretrained
+    tokenizer's path (`data/pretrained.py`)."""
+    if kind not in ("bpe", "bytes"):
+        from dstrain.data.pretrained import load_pretrained
+
+        return load_pretrained(Path(kind), vocab_size)
     if vocab_size < _MIN_VOCAB:
         raise UserError(
             f"data.tokenizer={kind} needs a vocabulary of at least {_MIN_VOCAB} ids "
