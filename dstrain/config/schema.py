@@ -237,6 +237,13 @@ class DataConfig(Section):
         "tokenized shards.",
     )
     text_field: str = Field("text", description="JSONL/parquet column that holds the text.")
+    format: Literal["auto", "text", "chat"] = Field(
+        "auto",
+        description="`text`: documents to continue; `chat`: instruction JSONL, each line "
+        "`messages` (rendered with the tokenizer's chat template) or `prompt`/`response`, the "
+        "loss on the responses only; `auto`: chat when every file is JSONL whose first record "
+        "has `messages` or `prompt`, else text.",
+    )
     tokenizer: str = Field(
         "bpe",
         description="`bpe`: byte-level BPE trained locally on the corpus (cached); `bytes`: raw "

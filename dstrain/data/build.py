@@ -26,7 +26,9 @@ def build_dataset(
         shards = open_shards(source)
         tokenizer = _pretokenized_tokenizer(shards, cfg, vocab_size)
     else:
-        corpus = open_corpus(cfg.source, text_field=cfg.text_field, cache_dir=cfg.cache_dir)
+        corpus = open_corpus(
+            cfg.source, text_field=cfg.text_field, cache_dir=cfg.cache_dir, data_format=cfg.format
+        )
         tokenizer = build_tokenizer(cfg.tokenizer, vocab_size, corpus, cfg.cache_dir)
         shards = build_shards(corpus, tokenizer, cfg.cache_dir)
     return tokenizer, TokenDataset(shards, seq_len)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dstrain.data.instructions import is_instruction_file, read_records
 from dstrain.data.readers import SUPPORTED_SUFFIXES, read_documents
 from dstrain.errors import UserError
 
@@ -34,6 +35,7 @@ class Corpus:
     fingerprint: str
     num_bytes: int
     _read: Callable[[], Iterator[str]] = field(repr=False, compare=False)
+    chat: bool = False  # documents are instruction `Record`s, not text
 
     def documents(self) -> Iterator[str]:
         """The non-empty documents in order; raises UserError at the end if there was none."""
@@ -61,8 +63,11 @@ class Corpus:
             yield batch
 
 
-def open_corpus(source: str, *, text_field: str = "text", cache_dir: Path) -> Corpus:
-    """`embedded` or a path to a .txt/.jsonl/.parquet file or a directory of them.
+def open_corpus(
+    source: str, *, text_field: str = "text", cache_dir: Path, data_format: str = "auto"
+) -> Corpus:
+    """`embedded` or a path to a .txt/.jsonl/.parquet file or a directory of them;
+    `data_format` says whether they are text or instruction data (`data/instructions.py`).
 
     Only lists and stats the files: reading (and its errors: missing text field, malformed
     JSONL, empty corpus) happens when `documents()` is iterated.
@@ -70,11 +75,23 @@ def open_corpus(source: str, *, text_field: str = "text", cache_dir: Path) -> Co
     if source == EMBEDDED:
         return embedded_corpus()
     files = find_files(Path(source))
+    auto = data_format == "auto"
+    chat = data_format == "chat" or (auto and all(map(is_instruction_file, files)))
+    if chat:
+        bad = [p for p in files if p.suffix != ".jsonl"]
+        if bad:
+            raise UserError(
+                f"data.format=chat: {bad[0]} is not .jsonl", "instruction data is JSONL", 1
+            )
+        read = lambda: read_records(files)  # noqa: E731
+    else:
+        read = lambda: read_documents(files, text_field, Path(cache_dir) / "datasets")  # noqa: E731
     return Corpus(
         name=source,
-        fingerprint=_stat_fingerprint(files, text_field),
+        fingerprint=_stat_fingerprint(files, text_field if not chat else "chat"),
         num_bytes=sum(path.stat().st_size for path in files),
-        _read=lambda: read_documents(files, text_field, Path(cache_dir) / "datasets"),
+        _read=read,
+        chat=chat,
     )
 
 

@@ -47,8 +47,15 @@ class TokenDataset:
         return self.num_samples
 
     def __getitem__(self, index: int) -> np.ndarray:
-        start = index * self.seq_len
-        return self.shards.read(start, start + self.seq_len + 1)
+        """The window's tokens; where a token carries no loss as a target (instruction data:
+        the prompts), stored as ~id (negative), which `train/loss.py` decodes."""
+        start, stop = index * self.seq_len, (index + 1) * self.seq_len + 1
+        tokens = self.shards.read(start, stop)
+        mask = self.shards.read_mask(start, stop)
+        if mask is None:
+            return tokens
+        tokens = tokens.astype(np.int64)
+        return np.where(mask.astype(bool), tokens, ~tokens)
 
 
 @lru_cache(maxsize=4)

@@ -8,6 +8,7 @@ instruction data, `data/instructions.py`). Documents get BOS first when the toke
 tokenizer. A vocabulary larger than the model's embedding is an error with the fix.
 """
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,9 @@ class PretrainedTokenizer(BPETokenizer):
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.bos_id = bos_id
         self.chat_template = chat_template
+        # The shards depend on the template and BOS too (instruction data, document starts).
+        extra = f"{self.fingerprint}/{bos_id}/{chat_template}".encode()
+        self.fingerprint = hashlib.sha256(extra).hexdigest()
 
 
 def load_pretrained(path: Path, model_vocab: int) -> PretrainedTokenizer:
@@ -110,6 +114,6 @@ def _special(
     raise UserError(
         f"data.tokenizer: {file} has no {key.replace('_', ' ')} "
         + (f"`{token}` in its vocabulary" if token else "the config names"),
-        f"name it in tokenizer_config.json (`\"{key}\": \"...\"`), as Hugging Face folders do",
+        f'name it in tokenizer_config.json (`"{key}": "..."`), as Hugging Face folders do',
         exit_code=1,
     )

@@ -3,8 +3,10 @@
 On disk (see docs/data.md): a directory with `manifest.json`, the flat token stream split into
 `shard-00000.bin`, `shard-00001.bin`, ... (raw little-endian uint16, or uint32 when the vocabulary
 exceeds 65536 ids), and for BPE the `tokenizer.json` that produced it. Each document is followed by
-EOS. Directories are written under a temporary name and renamed into place, so a reader never sees
-a half-written one.
+EOS (and preceded by BOS where the tokenizer has one). Instruction data (`data/instructions.py`)
+adds `shard-00000.mask` ..., one uint8 per token: 1 where the token carries loss as a target.
+Directories are written under a temporary name and renamed into place, so a reader never sees a
+half-written one.
 """
 
 import json
@@ -20,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from dstrain.data.corpus import Corpus
+from dstrain.data.instructions import Record, pieces, render
 from dstrain.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, write_atomic
 from dstrain.errors import UserError
 
@@ -48,6 +51,7 @@ class Manifest:
     shards: list[dict[str, Any]]  # [{"file": "shard-00000.bin", "num_tokens": int}, ...]
     format: str = FORMAT
     version: int = FORMAT_VERSION
+    loss_mask: bool = False  # a .mask file beside each shard (instruction data)
 
 
 class Shards:
@@ -62,15 +66,22 @@ class Shards:
             for s in manifest.shards
         ]
         self._starts = np.cumsum([0] + [s["num_tokens"] for s in manifest.shards]).tolist()
+        self._masks = (
+            [
+                np.memmap(directory / _mask_file(s["file"]), dtype=np.uint8, mode="r")
+                for s in manifest.shards
+            ]
+            if manifest.loss_mask
+            else None
+        )
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens `[start, stop)` of the flat stream; a view of the map unless it spans shards."""
-        shard = bisect_right(self._starts, start) - 1
-        offset = self._starts[shard]
-        if stop <= self._starts[shard + 1]:
-            return self._maps[shard][start - offset : stop - offset]
-        head = self._maps[shard][start - offset :]
-        return np.concatenate([head, self.read(self._starts[shard + 1], stop)])
+        return _read(self._maps, self._starts, start, stop)
+
+    def read_mask(self, start: int, stop: int) -> np.ndarray | None:
+        """Whether each token of `[start, stop)` carries loss as a target; None: every one."""
+        return None if self._masks is None else _read(self._masks, self._starts, start, stop)
 
     def tokenizer(self) -> Tokenizer:
         """The tokenizer these shards were written with."""
@@ -83,6 +94,19 @@ class Shards:
                 fix="re-create the shards with dstrain (it stores the BPE tokenizer beside them)",
             )
         return BPETokenizer.load(path, self.manifest.tokenizer, self.manifest.eos_id)
+
+
+def _read(maps: list[np.ndarray], starts: list[int], start: int, stop: int) -> np.ndarray:
+    shard = bisect_right(starts, start) - 1
+    offset = starts[shard]
+    if stop <= starts[shard + 1]:
+        return maps[shard][start - offset : stop - offset]
+    head = maps[shard][start - offset :]
+    return np.concatenate([head, _read(maps, starts, starts[shard + 1], stop)])
+
+
+def _mask_file(shard_file: str) -> str:
+    return shard_file.removesuffix(".bin") + ".mask"
 
 
 def is_shard_dir(path: Path) -> bool:
@@ -130,18 +154,13 @@ def build_shards(
 
 def _write(corpus: Corpus, tokenizer: Tokenizer, directory: Path, shard_tokens: int) -> Manifest:
     dtype = "uint16" if tokenizer.vocab_size <= 1 << 16 else "uint32"
-    writer = _ShardWriter(directory, _dtype(dtype), shard_tokens)
+    writer = _ShardWriter(directory, _dtype(dtype), shard_tokens, masks=corpus.chat)
     num_documents = 0
     for batch in corpus.batches(_ENCODE_BATCH_DOCS):
-        flat: list[int] = []
-        for ids in tokenizer.encode_batch(batch):
-            if tokenizer.bos_id is not None:
-                flat.append(tokenizer.bos_id)
-            flat += ids
-            flat.append(tokenizer.eos_id)
-        tokens = np.array(flat, dtype=_dtype(dtype))
+        encoded = _encode_chat(batch, tokenizer) if corpus.chat else _encode_text(batch, tokenizer)
+        tokens = np.array(encoded[0], dtype=_dtype(dtype))
         assert int(tokens.max()) < tokenizer.vocab_size, (tokenizer.name, int(tokens.max()))
-        writer.add(tokens)
+        writer.add(tokens, None if encoded[1] is None else np.array(encoded[1], dtype=np.uint8))
         num_documents += len(batch)
     shards = writer.close()
     if isinstance(tokenizer, BPETokenizer):
@@ -156,6 +175,7 @@ def _write(corpus: Corpus, tokenizer: Tokenizer, directory: Path, shard_tokens: 
         num_documents=num_documents,
         total_tokens=sum(s["num_tokens"] for s in shards),
         shards=shards,
+        loss_mask=corpus.chat,
     )
     # format and version first, for a reader who opens the file.
     fields = {"format": FORMAT, "version": FORMAT_VERSION, **asdict(manifest)}
@@ -163,25 +183,60 @@ def _write(corpus: Corpus, tokenizer: Tokenizer, directory: Path, shard_tokens: 
     return manifest
 
 
-class _ShardWriter:
-    """Appends tokens to `shard-NNNNN.bin` files of at most `shard_tokens` tokens each."""
+def _encode_text(batch: list[str], tokenizer: Tokenizer) -> tuple[list[int], None]:
+    flat: list[int] = []
+    for ids in tokenizer.encode_batch(batch):
+        if tokenizer.bos_id is not None:
+            flat.append(tokenizer.bos_id)
+        flat += ids
+        flat.append(tokenizer.eos_id)
+    return flat, None
 
-    def __init__(self, directory: Path, dtype: np.dtype, shard_tokens: int) -> None:
+
+def _encode_chat(batch: list[Record], tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
+    """Rendered records, piece by piece: (tokens, 1 where a token carries loss as a target)."""
+    flat: list[int] = []
+    mask: list[int] = []
+    for record in batch:
+        rendered = render(record, tokenizer.chat_template)
+        if tokenizer.bos_id is not None:
+            flat.append(tokenizer.bos_id)
+            mask.append(0)
+        for piece, loss in pieces(rendered):
+            ids = tokenizer.encode_markup(piece)
+            flat += ids
+            mask += [int(loss)] * len(ids)
+        flat.append(tokenizer.eos_id)
+        mask.append(int(rendered.ends_with_response))
+    return flat, mask
+
+
+class _ShardWriter:
+    """Appends tokens to `shard-NNNNN.bin` files of at most `shard_tokens` tokens each (and,
+    with `masks`, each token's loss flag to `shard-NNNNN.mask`)."""
+
+    def __init__(self, directory: Path, dtype: np.dtype, shard_tokens: int, masks: bool) -> None:
         self._directory = directory
         self._dtype = dtype
         self._capacity = shard_tokens
-        self._file: Any = None
+        self._masks = masks
+        self._files: list[Any] = []
         self._shards: list[dict[str, Any]] = []
 
-    def add(self, tokens: np.ndarray) -> None:
+    def add(self, tokens: np.ndarray, mask: np.ndarray | None = None) -> None:
         while len(tokens):
-            if self._file is None:
+            if not self._files:
                 name = f"shard-{len(self._shards):05d}.bin"
-                self._file = open(self._directory / name, "wb")  # noqa: SIM115 (closed in _end)
+                names = [name, _mask_file(name)] if self._masks else [name]
+                # Closed in _end.
+                self._files = [open(self._directory / n, "wb") for n in names]  # noqa: SIM115
                 self._shards.append({"file": name, "num_tokens": 0})
             current = self._shards[-1]
             take = min(len(tokens), self._capacity - current["num_tokens"])
-            tokens[:take].tofile(self._file)
+            tokens[:take].tofile(self._files[0])
+            if mask is not None:
+                mask[:take].tofile(self._files[1])
+                mask = mask[take:]
             current["num_tokens"] += take
             tokens = tokens[take:]
             if current["num_tokens"] == self._capacity:
@@ -192,9 +247,9 @@ class _ShardWriter:
         return self._shards
 
     def _end(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        for file in self._files:
+            file.close()
+        self._files = []
 
 
 def _publish(tmp: Path, directory: Path, corpus: Corpus, tokenizer: Tokenizer) -> None:
@@ -246,12 +301,15 @@ def _read_manifest(directory: Path) -> Manifest:
 def _check_files(directory: Path, manifest: Manifest) -> None:
     itemsize = _dtype(manifest.dtype).itemsize
     for shard in manifest.shards:
-        size = (directory / shard["file"]).stat().st_size
-        if size != shard["num_tokens"] * itemsize:
-            raise ValueError(
-                f"{shard['file']} has {size} bytes, the manifest says "
-                f"{shard['num_tokens']} tokens of {manifest.dtype}"
-            )
+        files = [(shard["file"], itemsize)]
+        if manifest.loss_mask:
+            files.append((_mask_file(shard["file"]), 1))
+        for name, width in files:
+            size = (directory / name).stat().st_size
+            if size != shard["num_tokens"] * width:
+                raise ValueError(
+                    f"{name} has {size} bytes, the manifest says {shard['num_tokens']} tokens"
+                )
 
 
 def _dtype(name: str) -> np.dtype:

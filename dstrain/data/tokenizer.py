@@ -18,6 +18,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from dstrain.data.corpus import Corpus
+from dstrain.data.instructions import as_text
 from dstrain.errors import UserError
 
 EOS_TOKEN = "<|eos|>"
@@ -45,6 +46,10 @@ class Tokenizer(ABC):
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.encode(text) for text in texts]
+
+    def encode_markup(self, text: str) -> list[int]:
+        """Text a chat template rendered: its special tokens (role markers) are tokens."""
+        return self.encode(text)
 
 
 class ByteTokenizer(Tokenizer):
@@ -120,6 +125,13 @@ class BPETokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
 
+    def encode_markup(self, text: str) -> list[int]:
+        self._tokenizer.encode_special_tokens = False
+        try:
+            return self._tokenizer.encode(text, add_special_tokens=False).ids
+        finally:
+            self._tokenizer.encode_special_tokens = True
+
 
 def build_tokenizer(kind: str, vocab_size: int, corpus: Corpus, cache_dir: Path) -> Tokenizer:
     """`bytes`, `bpe` trained on `corpus` to at most `vocab_size` ids (the model's vocabulary)
@@ -151,7 +163,8 @@ def build_tokenizer(kind: str, vocab_size: int, corpus: Corpus, cache_dir: Path)
         f"dstrain: training a byte-level BPE ({vocab_size} ids) on {corpus.name} -> {path}",
         file=sys.stderr,
     )
-    tokenizer = BPETokenizer.train(corpus.documents(), vocab_size, name)
+    texts = (as_text(d) if corpus.chat else d for d in corpus.documents())
+    tokenizer = BPETokenizer.train(texts, vocab_size, name)
     tokenizer.save(path)
     return tokenizer
 

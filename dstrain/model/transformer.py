@@ -83,7 +83,7 @@ class Transformer(nn.Module):
         """tokens [B, S] -> logits [B, S, V]; with MTP, (logits, mtp_1 [B, S-1, V], ...).
 
         A stage without the embedding takes hidden states [B, S, D] instead of token ids; a last
-        stage with MTP then needs `next_tokens` [B, S] (token i+1 at position i: the labels).
+        stage with MTP then needs `next_tokens` [B, S-1] (token i+1 at position i).
         """
         h = self.embed(tokens) if self.embed is not None else tokens
         cos, sin = self.rope(h.size(1))

@@ -1,4 +1,5 @@
-"""Cross-entropy for the main head and the MTP heads, normalized once by global token counts.
+"""Cross-entropy for the main head and the MTP heads, normalized once by global token counts, and
+the loader's micro-batch layout (`inputs_of`, `labels_of`).
 
 Each micro-batch contributes sum(CE) / (valid tokens of the whole global batch), so gradient
 accumulation, data parallelism and pipelining give exactly the loss of one big batch (STYLE 15).
@@ -11,6 +12,25 @@ import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+
+
+def inputs_of(batch: torch.Tensor) -> torch.Tensor:
+    """The model's input tokens of a loader micro-batch [B, S+1]: positions 0..S-1. A token the
+    loader stored negative (bitwise not: ~id) is one whose target carries no loss (a prompt's
+    token, or a boundary a document mask hides); as an input it is its id."""
+    tokens = batch[:, :-1]
+    return torch.where(tokens < 0, ~tokens, tokens)
+
+
+def labels_of(batch: torch.Tensor) -> torch.Tensor:
+    """The targets [B, S]: positions 1..S, IGNORE_INDEX where a target carries no loss."""
+    targets = batch[:, 1:]
+    return torch.where(targets < 0, IGNORE_INDEX, targets)
+
+
+def next_tokens_of(batch: torch.Tensor) -> torch.Tensor:
+    """Token i+1 at position i [B, S-1], as ids (the MTP modules embed them)."""
+    return inputs_of(batch)[:, 1:]
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from dstrain.metrics.pipeline_timer import PipelineTimer
 from dstrain.metrics.probes import NO_PROBES, Probes
 from dstrain.parallel.pipeline import Pipeline
 from dstrain.train.heartbeat import TIMEOUT_SIGNS
-from dstrain.train.loss import loss_terms
+from dstrain.train.loss import inputs_of, labels_of, loss_terms, next_tokens_of
 from dstrain.train.loss_scale import LossScaler
 from dstrain.train.step import (
     DataParallel,
@@ -57,7 +57,7 @@ def pipeline_step(
     """`probes` time the optimizer phase and the collectives; the forward and backward phases
     are the pipeline timer's F, B, I, W and loss actions."""
     device = next(pipe.model.parameters()).device
-    labels = [mb[:, 1:] for mb in micro_batches]  # on the host: counted without a device sync
+    labels = [labels_of(mb) for mb in micro_batches]  # on the host: counted without a sync
     counts = global_counts(labels, num_mtp, dp, device)
     scale = backward_scale(scaler, dp.size, len(micro_batches))
     set_aux_scale(pipe.model, scale.aux)
@@ -70,9 +70,9 @@ def pipeline_step(
     pipe.loss.parts = {}
     # One copy of the step's batch (the schedule splits it back into micro-batches).
     batch = to_device(torch.cat(micro_batches), device)
-    args = (batch[:, :-1],) if pipe.has_first else ()
-    kwargs = {"next_tokens": batch[:, 1:]} if pipe.has_last and num_mtp else {}
-    target = batch[:, 1:] if pipe.has_last else None
+    args = (inputs_of(batch),) if pipe.has_first else ()
+    kwargs = {"next_tokens": next_tokens_of(batch)} if pipe.has_last and num_mtp else {}
+    target = labels_of(batch) if pipe.has_last else None
     try:
         timer.start()
         # Autocast around the whole step: upstream runs forward and backward inside `step`;

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from dstrain.metrics.probes import NO_PROBES, Probes
 from dstrain.model.moe import MoE, Router
 from dstrain.train.agreement import agree
-from dstrain.train.loss import TokenCounts, loss_terms
+from dstrain.train.loss import TokenCounts, inputs_of, labels_of, loss_terms
 from dstrain.train.loss_scale import LossScaler
 
 
@@ -85,10 +85,10 @@ def train_step(
     this rank got SIGTERM (the result says whether any rank did)."""
     device = next(model.parameters()).device
     # Counted on the host, before the copy: no device sync for the divisors of the loss.
-    host_labels = [mb[:, 1:] for mb in micro_batches]
+    host_labels = [labels_of(mb) for mb in micro_batches]
     counts = global_counts(host_labels, num_mtp, dp, device)
     micro_batches = [to_device(mb, device) for mb in micro_batches]
-    labels = [mb[:, 1:] for mb in micro_batches]
+    labels = [labels_of(mb) for mb in micro_batches]
     scale = backward_scale(scaler, dp.size, len(micro_batches))
     set_aux_scale(model, scale.aux)
     loss = torch.zeros((), device=device)
@@ -97,7 +97,7 @@ def train_step(
         with probes.phase("forward"):
             last = i == len(micro_batches) - 1
             with grad_sync(model, last=last, defer=dp.defer_sync), autocast(precision, device):
-                outputs = model(mb[:, :-1])
+                outputs = model(inputs_of(mb))
             total, parts = loss_terms(outputs, lab, counts, mtp_weight)
         with probes.phase("backward"):
             (total * scale.loss).backward()
