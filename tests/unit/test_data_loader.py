@@ -25,6 +25,9 @@ class ArangeShards:
     def read(self, start: int, stop: int) -> np.ndarray:
         return self._tokens[start:stop]
 
+    def read_mask(self, start: int, stop: int) -> None:
+        return None  # text: every token carries loss
+
 
 def _dataset(num_samples: int = 37) -> TokenDataset:
     return TokenDataset(ArangeShards(num_samples * SEQ_LEN + 1), SEQ_LEN)
