@@ -63,7 +63,7 @@ from pathlib import Path
 from cpu import cpu_label  # noqa: E402  (benchmarks/cpu.py)
 from launch_workers import REPO, free_port
 
-from dstrain.config.flavors import resolve_model_args
+from dstrain.config.flavors import model_name, resolve_model_args
 from dstrain.config.load import load_config
 from dstrain.config.parallel_dims import ParallelDims
 from dstrain.data.build import build_dataset
@@ -262,7 +262,7 @@ def report(config, runs: dict, common: list[str], args, wall: float) -> None:
     params, grads, states = (sum(v[i] for v in reference.values()) for i in range(3))
     m = resolve_model_args(config.model)
     print(
-        f"model {config.model.flavor} (dim {m.dim}, {m.num_layers} layers, "
+        f"model {model_name(config.model)} (dim {m.dim}, {m.num_layers} layers, "
         f"{m.num_routed_experts} routed experts, MTP {m.num_mtp_modules}), seq "
         f"{config.train.seq_len}, global batch {config.train.global_batch_size} in micro-batches "
         f"of {config.train.micro_batch_size}, {config.train.precision}; {args.warmup} warm-up + "

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from cpu import cpu_label  # noqa: E402  (benchmarks/cpu.py)
 
+from dstrain.config.flavors import model_name
 from dstrain.config.load import load_config
 from dstrain.config.schema import DstrainConfig
 from dstrain.data.loader import DataLoader
@@ -173,7 +174,7 @@ def report(
     loss_t, loss_b = timer.first_losses or (float("nan"), float("nan"))
     m = trainer.model_args
     print(
-        f"model {config.model.flavor} (dim {m.dim}, {m.num_layers} layers, MTP "
+        f"model {model_name(config.model)} (dim {m.dim}, {m.num_layers} layers, MTP "
         f"{m.num_mtp_modules}), {trainer.batch.describe()}, seq {config.train.seq_len}, "
         f"{config.train.precision}, {threads} threads"
     )

@@ -23,7 +23,16 @@ EVERY_FIGURE_SUMMARY = {
 }
 
 
-ALL_BUT_LOSS = ("optim/", "throughput/", "comm/", "pipeline/", "memory/", "time/", "moe/")
+ALL_BUT_LOSS = (
+    "optim/",
+    "throughput/",
+    "comm/",
+    "pipeline/",
+    "memory/",
+    "time/",
+    "moe/",
+    "eval/",
+)
 
 
 def metrics_row(step: int, scale: float = 1.0) -> dict:
@@ -55,6 +64,8 @@ def metrics_row(step: int, scale: float = 1.0) -> dict:
         "time/optimizer_s": 0.04,
         **{f"moe/{layer}/tokens_per_expert": load for layer, load in LOADS.items()},
         "moe/layer2/max_over_mean": 3.0,
+        "eval/loss": scale * (6.1 + 2 * fade),
+        "eval/ppl": math.exp(scale * (6.1 + 2 * fade)),
     }
 
 

@@ -256,6 +256,32 @@ class DataConfig(Section):
     )
 
 
+class EvalConfig(Section):
+    """Validation: a held-out split, evaluated every `interval` steps and at the end."""
+
+    fraction: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Share of data.source's samples held out for validation (taken from the end "
+        "of the token stream, so no training sample overlaps them). 0 = none (unless `source`).",
+    )
+    source: str | None = Field(
+        None,
+        description="Validation files of their own (tokenized as data.source is); None = the "
+        "`fraction` held out of data.source.",
+    )
+    interval: int = Field(
+        100, ge=1, description="Evaluate every N optimizer steps (and at the end)."
+    )
+    steps: int = Field(
+        10,
+        ge=0,
+        description="Batches of train.global_batch_size held-out sequences per evaluation; 0 = "
+        "every whole batch the split holds.",
+    )
+
+
 class CheckpointConfig(Section):
     """When and how state is saved (DCP, sharded)."""
 
@@ -380,8 +406,8 @@ class RunConfig(Section):
 
 
 class DstrainConfig(Section):
-    """The whole run. Sections: run, model, parallel, train, optim, lr, data, checkpoint, guard,
-    metrics, comm, cluster."""
+    """The whole run. Sections: run, model, parallel, train, optim, lr, data, eval, checkpoint,
+    guard, metrics, comm, cluster."""
 
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -390,6 +416,7 @@ class DstrainConfig(Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     lr: LRConfig = Field(default_factory=LRConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)

@@ -29,12 +29,18 @@ class TokenDataset:
     once per epoch (inputs `[:-1]`, targets `[1:]`).
     """
 
-    def __init__(self, shards: Shards, seq_len: int) -> None:
+    def __init__(
+        self, shards: Shards, seq_len: int, first: int = 0, count: int | None = None
+    ) -> None:
+        """Samples `[first, first + count)` of the stream's windows (all by default: a held-out
+        split takes a range of them)."""
         if seq_len < 1:
             raise UserError(f"seq_len must be at least 1, got {seq_len}", exit_code=1)
         self.shards = shards
         self.seq_len = seq_len
-        self.num_samples = (shards.total_tokens - 1) // seq_len
+        self.first = first
+        available = (shards.total_tokens - 1) // seq_len
+        self.num_samples = available - first if count is None else count
         if self.num_samples < 1:
             raise UserError(
                 f"the corpus has {shards.total_tokens} tokens; one sample of "
@@ -49,6 +55,7 @@ class TokenDataset:
     def __getitem__(self, index: int) -> np.ndarray:
         """The window's tokens; where a token carries no loss as a target (instruction data:
         the prompts), stored as ~id (negative), which `train/loss.py` decodes."""
+        index += self.first
         start, stop = index * self.seq_len, (index + 1) * self.seq_len + 1
         tokens = self.shards.read(start, stop)
         mask = self.shards.read_mask(start, stop)

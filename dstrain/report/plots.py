@@ -44,7 +44,13 @@ class LineFigure:
 
 
 LINE_FIGURES = (
-    LineFigure("loss", "Training loss", "cross-entropy (nats)", r"loss/(main|mtp|max_over_dp)"),
+    LineFigure(
+        "loss",
+        "Training loss (and validation, where evaluated)",
+        "cross-entropy (nats)",
+        r"loss/(main|mtp|max_over_dp)|eval/loss",
+    ),
+    LineFigure("eval_ppl", "Validation perplexity", "perplexity", r"eval/ppl", log_if_wide=True),
     LineFigure("lr", "Learning rate", "learning rate", r"optim/lr"),
     LineFigure(
         "grad_norm",

@@ -55,7 +55,8 @@ class TrainProgress:
 
     def report(self, step: int, metrics: Metrics) -> None:
         stats = _format(metrics)
-        self.progress.update(self.task, stats=_compact(metrics))
+        if "loss/main" in metrics:  # not an evaluation-only line
+            self.progress.update(self.task, stats=_compact(metrics))
         if self.progress.disable:
             print(f"{PREFIX} step {step}: {stats}", file=sys.stderr, flush=True)
         else:
@@ -75,6 +76,11 @@ def _compact(m: Metrics) -> str:
 
 
 def _format(m: Metrics) -> str:
+    evaluation = (
+        f"eval loss {m['eval/loss']:.4f} (ppl {m['eval/ppl']:.2f})" if "eval/loss" in m else ""
+    )
+    if "loss/main" not in m:
+        return evaluation
     parts = [f"loss {m['loss/main']:.4f}"]
     if "loss/mtp" in m:
         parts.append(f"mtp {m['loss/mtp']:.4f}")
@@ -90,4 +96,6 @@ def _format(m: Metrics) -> str:
         parts.append(f"mem {m['memory/peak_allocated_mb'] / 1024:.1f} GiB")
     elif "memory/rss_mb" in m:
         parts.append(f"rss {m['memory/rss_mb']:,.0f} MB")
+    if evaluation:
+        parts.append(evaluation)
     return "  ".join(parts)

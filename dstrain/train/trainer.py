@@ -15,8 +15,8 @@ from dstrain.checkpoint.catalog import latest_valid
 from dstrain.config.flavors import model_name, resolve_model_args
 from dstrain.config.load import to_toml
 from dstrain.config.schema import DstrainConfig
-from dstrain.data.build import build_dataset
-from dstrain.data.loader import DataLoader
+from dstrain.data.build import build_dataset, split_eval
+from dstrain.data.loader import DataLoader, TokenDataset
 from dstrain.errors import UserError
 from dstrain.metrics.peak import forget, peak_flops
 from dstrain.metrics.processor import (
@@ -31,6 +31,7 @@ from dstrain.parallel.distributed import env_int, init_distributed
 from dstrain.parallel.expert_parallel import reduce_expert_grads, scale_expert_grads
 from dstrain.parallel.parallelize import experts_use_fsdp
 from dstrain.train.checkpointing import CpuRng, SchedulePosition, TrainCheckpoints
+from dstrain.train.evaluation import EvalShape, Evaluator
 from dstrain.train.faults import fault_from_env, poisoned_forward
 from dstrain.train.goodput import RunClock
 from dstrain.train.guard import NumericsGuard
@@ -70,11 +71,15 @@ class Trainer:
         self.tokenizer, self.dataset = build_dataset(
             config.data, vocab_size=self.model_args.vocab_size, seq_len=config.train.seq_len
         )
+        self.dataset, held_out = split_eval(
+            config.eval, config.data, self.tokenizer, self.dataset, self.batch.global_batch_size
+        )
         self.probes = build_probes(config, self.device, self.meshes, self.model, self.pipeline)
         self.pipeline_timer = build_pipeline_timer(self.pipeline, self.probes, self.device)
         self.scheduler = build_scheduler(self.optimizer, config.lr, config.train.steps)
         self.scaler = LossScaler(config.train.loss_scale, config.train.precision == "fp16")
         self.loader = self._build_loader()
+        self.evaluator = self._build_evaluator(held_out)
         self.step = 0
         self.fault = fault_from_env()
         self.guard = NumericsGuard(config.guard, fp16=config.train.precision == "fp16")
@@ -131,6 +136,15 @@ class Trainer:
             scale_expert_grads(self.model, edp.size() * scale)
         else:
             reduce_expert_grads(self.model, edp.get_group() if edp.size() > 1 else None, scale)
+
+    def _build_evaluator(self, held_out: TokenDataset | None) -> Evaluator | None:
+        if held_out is None:
+            return None
+        dp_rank = self.meshes["dp"].get_local_rank() if self.dp.size > 1 else 0
+        shape = EvalShape(
+            self.batch.global_batch_size, self.batch.micro_batch_size, dp_rank, self.dims.dp
+        )
+        return Evaluator(self.config.eval, held_out, shape)
 
     def _build_loader(self) -> DataLoader:
         dp_rank = self.meshes["dp"].get_local_rank() if self.dp.size > 1 else 0
@@ -279,8 +293,11 @@ class Trainer:
                 elif self.guard.last_reason is not None and self._on_bad_step():
                     continue  # rolled back: the loop resumes at the checkpoint's step
                 progress.advance()
+                evaluation = self._maybe_evaluate()
                 if self.step % cfg.metrics.log_interval == 0 or self.step == cfg.train.steps:
-                    self._log_metrics(last, window, progress)
+                    self._log_metrics(last, window, progress, evaluation)
+                elif evaluation:
+                    self._write(evaluation, progress)
                 self._maybe_save()
                 if self.preemption.agreed(last.preempted):
                     self._preempt()
@@ -316,8 +333,32 @@ class Trainer:
         if path is not None and self.world.is_main:
             log(f"profiler trace of steps {self.config.metrics.profile_steps} -> {path.parent}")
 
-    def _log_metrics(self, last: StepResult, window: Window, progress: TrainProgress) -> None:
+    def _maybe_evaluate(self) -> dict[str, float]:
+        """The validation figures when this step is an evaluation step, else nothing."""
+        last = self.step == self.config.train.steps
+        if self.evaluator is None or not self.evaluator.due(self.step, last):
+            return {}
+        self.heartbeat.beat(self.step, "compute")
+        with self.probes.quiet():
+            return self.evaluator.run(
+                self.model, self.pipeline, self.dp, self.config.train.precision
+            )
+
+    def _write(self, metrics: dict[str, float], progress: TrainProgress) -> None:
+        for sink in self.sinks:
+            sink.write(self.step, metrics)
+        if self.world.is_main:
+            progress.report(self.step, metrics)
+
+    def _log_metrics(
+        self,
+        last: StepResult,
+        window: Window,
+        progress: TrainProgress,
+        evaluation: dict[str, float] | None = None,
+    ) -> None:
         metrics = self.metrics.collect(step_figures(last, self.optimizer, self.scaler), window)
+        metrics.update(evaluation or {})
         metrics["guard/bad_steps"] = float(self.guard.events)
         if self.pipeline_timer is not None:
             p = self.config.parallel
@@ -326,10 +367,7 @@ class Trainer:
                     p.pp_schedule, self.batch.grad_accum_steps, p.num_virtual_stages
                 )
             metrics.update(bubble)
-        for sink in self.sinks:
-            sink.write(self.step, metrics)
-        if self.world.is_main:
-            progress.report(self.step, metrics)
+        self._write(metrics, progress)
         window.reset()
 
     def _maybe_save(self) -> None:

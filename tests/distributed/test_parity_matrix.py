@@ -5,7 +5,8 @@ tests.
 
 Every layout trains the debug flavor for 8 steps from the same weights on the same global batch
 (16 sequences: 4 micro-batches of 4 on one process, 2 of 4 on each of 2 ranks). Per-step losses
-must match the one-process run within 1e-5 relative, and the final weights too.
+must match the one-process run within 1e-5 relative, and the final weights too, and so must the
+validation loss (eval.*: one held-out batch at steps 4 and 8, under PP the schedule's `eval`).
 """
 
 import json
@@ -49,15 +50,18 @@ def setup(tmp_path_factory):
         "metrics.log_interval=1",
         "metrics.tensorboard=false",
         "checkpoint.enable=false",
+        "eval.fraction=0.05",  # validation, on the same held-out batch in every layout
+        "eval.interval=4",
+        "eval.steps=1",
     ]
     reference = Trainer(load_config(None, [*common, "run.name=reference"]).config)
     reference.train()
     return root, common, reference.model.state_dict()
 
 
-def _losses(root: Path, name: str) -> list[float]:
+def _losses(root: Path, name: str, key: str = "loss/main") -> list[float]:
     lines = (root / "runs" / name / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["loss/main"] for line in lines]
+    return [line[key] for line in map(json.loads, lines) if key in line]
 
 
 def _check(
@@ -71,6 +75,11 @@ def _check(
     assert len(got) == STEPS
     for step, (a, b) in enumerate(zip(expected, got, strict=True), start=1):
         assert abs(a - b) <= LOSS_RTOL * abs(a), (name, step, a, b)
+    held_out = _losses(root, reference, "eval/loss"), _losses(root, name, "eval/loss")
+    if held_out[0]:  # evaluated at steps 4 and 8: the same held-out loss in every layout
+        assert len(held_out[1]) == len(held_out[0]) == 2, (name, held_out)
+        for a, b in zip(*held_out, strict=True):
+            assert abs(a - b) <= LOSS_RTOL * abs(a), (name, "eval/loss", a, b)
     weights = torch.load((weights_dir or root) / f"{name}.pt")
     assert weights.keys() == reference_weights.keys(), name
     worst = max((weights[k] - reference_weights[k]).abs().max().item() for k in weights)

@@ -1,0 +1,128 @@
+"""Validation: the held-out split's loss, every `eval.interval` steps and at the end.
+
+Which rank evaluates what: evaluation k of a run reads the same held-out samples every time,
+`eval.steps` batches of `train.global_batch_size` sequences taken in order from the start of the
+split; each batch is cut among the data-parallel ranks and into micro-batches exactly as a
+training step is (so under PP the schedule's forward-only `eval` runs it). The loss is the sum
+of the next-token cross-entropy over every target token of all the batches, summed over the
+data-parallel ranks, divided once by their count: the same figure, bit for bit on CPU, in every
+layout, and deterministic. Forward only, no gradient; the routers' load counters are restored
+afterwards, so evaluation never moves the balancing biases.
+"""
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dstrain.config.schema import EvalConfig
+from dstrain.data.loader import TokenDataset
+from dstrain.model.moe import Router
+from dstrain.parallel.pipeline import Pipeline
+from dstrain.train.loss import IGNORE_INDEX, inputs_of, labels_of
+from dstrain.train.step import DataParallel, autocast, to_device
+
+
+@dataclass(frozen=True)
+class EvalShape:
+    global_batch_size: int
+    micro_batch_size: int
+    dp_rank: int
+    dp_size: int
+
+
+class Evaluator:
+    def __init__(self, cfg: EvalConfig, dataset: TokenDataset, shape: EvalShape) -> None:
+        self.cfg, self.dataset, self.shape = cfg, dataset, shape
+        whole = dataset.num_samples // shape.global_batch_size
+        self.batches = whole if cfg.steps == 0 else min(cfg.steps, whole)
+
+    def due(self, step: int, last: bool) -> bool:
+        return last or step % self.cfg.interval == 0
+
+    @torch.no_grad()
+    def run(
+        self,
+        model: torch.nn.Module,
+        pipeline: Pipeline | None,
+        dp: DataParallel,
+        precision: str,
+    ) -> dict[str, float]:
+        """eval/loss, eval/ppl and eval/tokens over the split's first `batches` batches."""
+        device = next(model.parameters()).device
+        counters = {
+            r: r.tokens_per_expert.clone() for r in model.modules() if isinstance(r, Router)
+        }
+        was_training = model.training
+        model.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=device)  # [CE sum, target tokens]
+        try:
+            for batch in range(self.batches):
+                micro = [to_device(mb, device) for mb in self._micro_batches(batch)]
+                with autocast(precision, device):
+                    totals += (
+                        _pipeline_sums(pipeline, micro, device)
+                        if pipeline is not None
+                        else _sums(model, micro)
+                    )
+        finally:
+            model.train(was_training)
+            for router, saved in counters.items():
+                router.tokens_per_expert.copy_(saved)
+        dp.sum(totals)
+        loss_sum, tokens = totals.tolist()  # host sync: once per evaluation
+        loss = loss_sum / max(tokens, 1.0)
+        return {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 80.0)), "eval/tokens": tokens}
+
+    def _micro_batches(self, batch: int) -> list[torch.Tensor]:
+        """This rank's share of batch `batch`, as a training step would cut it."""
+        s = self.shape
+        per_rank = s.global_batch_size // s.dp_size
+        start = batch * s.global_batch_size + s.dp_rank * per_rank
+        rows = [self.dataset[i] for i in range(start, start + per_rank)]
+        stacked = torch.from_numpy(np.stack(rows).astype(np.int64))
+        return list(stacked.split(s.micro_batch_size))
+
+
+def _sums(model: torch.nn.Module, micro: list[torch.Tensor]) -> torch.Tensor:
+    out = torch.zeros(2, dtype=torch.float64, device=micro[0].device)
+    for mb in micro:
+        outputs = model(inputs_of(mb))
+        logits = outputs[0] if isinstance(outputs, tuple) else outputs
+        out += _ce_and_count(logits, labels_of(mb))
+    return out
+
+
+def _ce_and_count(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    ce = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    count = (labels != IGNORE_INDEX).sum()
+    return torch.stack([ce.double(), count.double()])
+
+
+def _pipeline_sums(pipe: Pipeline, micro: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The schedule's forward-only `eval`; the last stage's loss function adds the sums up."""
+    import torch.distributed as dist
+
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+
+    def loss_fn(outputs: object, labels: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        logits = outputs[0] if isinstance(outputs, tuple) else outputs
+        sums = _ce_and_count(logits, labels)
+        totals.add_(sums)
+        return sums[0].float(), {}
+
+    saved = pipe.loss.fn
+    pipe.loss.fn, pipe.loss.inferring = loss_fn, True
+    try:
+        batch = torch.cat(micro)
+        args = (inputs_of(batch),) if pipe.has_first else ()
+        mtp = pipe.has_last and getattr(pipe.model, "mtp", None) is not None
+        kwargs = {"next_tokens": inputs_of(batch)[:, 1:]} if mtp else {}
+        pipe.schedule.eval(*args, target=labels_of(batch) if pipe.has_last else None, **kwargs)
+    finally:
+        pipe.loss.fn, pipe.loss.inferring = saved, False
+    dist.all_reduce(totals, group=pipe.group)  # the sums live on the last stage's rank
+    return totals
