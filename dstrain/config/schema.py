@@ -254,6 +254,12 @@ class DataConfig(Section):
     cache_dir: Path = Field(
         Path(".cache/dstrain"), description="Where tokenizers and token shards are cached."
     )
+    cache_scope: Literal["shared", "node"] = Field(
+        "shared",
+        description="Who tokenizes into data.cache_dir: `shared` (one file system seen by every "
+        "node): rank 0 alone; `node` (a node-local disk): local rank 0 of each node. The other "
+        "ranks wait, then map the cached shards.",
+    )
 
 
 class EvalConfig(Section):

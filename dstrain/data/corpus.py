@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dstrain.data.instructions import is_instruction_file, read_records
-from dstrain.data.readers import SUPPORTED_SUFFIXES, read_documents
+from dstrain.data.instructions import Record, is_instruction_file, read_records
+from dstrain.data.readers import SUPPORTED_SUFFIXES, Piece, read_documents
 from dstrain.errors import UserError
 
 EMBEDDED = "embedded"
@@ -23,6 +23,9 @@ EMBEDDED = "embedded"
 # train a 2k-vocabulary BPE and a debug model, small enough to tokenize in seconds.
 EMBEDDED_MAX_BYTES = 6_000_000
 _EMBEDDED_SKIP_DIRS = frozenset({"site-packages", "test", "tests", "idlelib", "lib2to3"})
+# Text per tokenization batch: the Rust tokenizer holds ~50 bytes per byte of its batch while it
+# encodes (measured with benchmarks/tokenize_large.py), so 2 MiB bounds it near 100 MB.
+BATCH_BYTES = 1 << 21
 # Bump when the way documents are read changes, so that caches built by older code are not reused.
 _READER_VERSION = 1
 
@@ -34,16 +37,18 @@ class Corpus:
     name: str
     fingerprint: str
     num_bytes: int
-    _read: Callable[[], Iterator[str]] = field(repr=False, compare=False)
+    _read: Callable[[], Iterator[Piece]] = field(repr=False, compare=False)
     chat: bool = False  # documents are instruction `Record`s, not text
 
-    def documents(self) -> Iterator[str]:
-        """The non-empty documents in order; raises UserError at the end if there was none."""
+    def pieces(self) -> Iterator[Piece]:
+        """The non-empty documents in order, as (text, starts a document, ends it): a long .txt
+        file comes in pieces, every other document whole. Raises UserError at the end if there
+        was no document."""
         found = False
-        for doc in self._read():
-            if doc:
+        for piece in self._read():
+            if piece[0]:
                 found = True
-                yield doc
+                yield piece
         if not found:
             raise UserError(
                 f"the corpus {self.name} has no non-empty document",
@@ -51,16 +56,29 @@ class Corpus:
                 exit_code=1,
             )
 
-    def batches(self, size: int) -> Iterator[list[str]]:
-        """The documents in lists of up to `size`, for batched tokenization."""
-        batch: list[str] = []
-        for doc in self.documents():
-            batch.append(doc)
-            if len(batch) == size:
-                yield batch
-                batch = []
+    def documents(self) -> Iterator[str]:
+        """The texts in order (a long document's pieces one by one): what a tokenizer trains on."""
+        return (piece[0] for piece in self.pieces())
+
+    def batches(self, size: int, max_bytes: int = BATCH_BYTES) -> Iterator[tuple[list[Piece], int]]:
+        """(pieces, their bytes): lists of up to `size` pieces and about `max_bytes` bytes, for
+        batched tokenization at bounded memory."""
+        batch: list[Piece] = []
+        total = 0
+        for piece in self.pieces():
+            batch.append(piece)
+            total += _num_bytes(piece[0])
+            if len(batch) == size or total >= max_bytes:
+                yield batch, total
+                batch, total = [], 0
         if batch:
-            yield batch
+            yield batch, total
+
+
+def _num_bytes(document: "str | Record") -> int:
+    if isinstance(document, str):
+        return len(document.encode("utf-8", errors="surrogatepass"))
+    return sum(len(str(value)) for value in document.data.values())  # about its line's length
 
 
 def open_corpus(
@@ -83,7 +101,7 @@ def open_corpus(
             raise UserError(
                 f"data.format=chat: {bad[0]} is not .jsonl", "instruction data is JSONL", 1
             )
-        read = lambda: read_records(files)  # noqa: E731
+        read = lambda: ((record, True, True) for record in read_records(files))  # noqa: E731
     else:
         read = lambda: read_documents(files, text_field, Path(cache_dir) / "datasets")  # noqa: E731
     return Corpus(
@@ -102,7 +120,7 @@ def corpus_from_texts(texts: Sequence[str], name: str = "in-memory texts") -> Co
         data = text.encode("utf-8", errors="surrogatepass")
         digest.update(len(data).to_bytes(8, "little") + data)
     num_bytes = sum(len(text.encode("utf-8", errors="surrogatepass")) for text in texts)
-    return Corpus(name, digest.hexdigest(), num_bytes, lambda: iter(texts))
+    return Corpus(name, digest.hexdigest(), num_bytes, lambda: ((t, True, True) for t in texts))
 
 
 def embedded_corpus() -> Corpus:

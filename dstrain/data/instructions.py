@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dstrain.data.readers import not_utf8
 from dstrain.errors import UserError
 
 # For tokenizers without a template of their own (the built-in BPE and bytes).
@@ -63,17 +64,12 @@ def is_instruction_file(path: Path) -> bool:
 def read_records(files: list[Path]) -> Iterator[Record]:
     for path in files:
         with path.open(encoding="utf-8", errors="strict") as lines:
-            number = 0
             try:
-                for number, line in enumerate(lines, 1):  # noqa: B007 (used after the loop)
+                for number, line in enumerate(lines, 1):
                     if line.strip():
                         yield Record(_parse(line, path, number), f"{path}:{number}")
             except UnicodeDecodeError as exc:
-                raise UserError(
-                    f"{path}:{number + 1}: not UTF-8 ({exc.reason})",
-                    "save the file as UTF-8",
-                    exit_code=1,
-                ) from None
+                raise not_utf8(path, exc) from None
 
 
 def _parse(line: str, path: Path, number: int) -> dict[str, Any]:

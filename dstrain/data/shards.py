@@ -15,6 +15,7 @@ import shutil
 import sys
 import tempfile
 from bisect import bisect_right
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,9 @@ from typing import Any
 import numpy as np
 
 from dstrain.data.corpus import Corpus
-from dstrain.data.instructions import Record, pieces, render
+from dstrain.data.instructions import pieces, render
+from dstrain.data.progress import TokenizeProgress
+from dstrain.data.readers import Piece
 from dstrain.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, write_atomic
 from dstrain.errors import UserError
 
@@ -34,6 +37,8 @@ TOKENIZER_FILE = "tokenizer.json"
 SHARD_TOKENS = 1 << 27
 # Documents per encode_batch call: enough to keep the Rust threads busy, little memory.
 _ENCODE_BATCH_DOCS = 256
+# Called after each tokenized batch with (its bytes of text, its tokens).
+Progress = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -131,10 +136,17 @@ def open_shards(directory: Path) -> Shards:
 
 
 def build_shards(
-    corpus: Corpus, tokenizer: Tokenizer, cache_dir: Path, *, shard_tokens: int = SHARD_TOKENS
+    corpus: Corpus,
+    tokenizer: Tokenizer,
+    cache_dir: Path,
+    *,
+    shard_tokens: int = SHARD_TOKENS,
+    progress: Progress | None = None,
 ) -> Shards:
     """The shards of `corpus` under `cache_dir/shards/<tokenizer>-<fingerprint[:16]>/`: reused
-    when their manifest matches this corpus and tokenizer, else written (atomically)."""
+    when their manifest matches this corpus and tokenizer, else written (atomically), streaming:
+    one batch of text and its tokens in memory at a time. `progress`: told of each batch (by
+    default a `TokenizeProgress` bar on stderr)."""
     root = Path(cache_dir) / "shards"
     directory = root / f"{tokenizer.name}-{corpus.fingerprint[:16]}"
     existing = _open_current(directory, corpus, tokenizer)
@@ -144,24 +156,35 @@ def build_shards(
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{directory.name}-"))
     tmp.chmod(0o755)  # mkdtemp makes it private; the shards are read by every rank's process
+    bar = TokenizeProgress(corpus.name, corpus.num_bytes) if progress is None else None
     try:
-        manifest = _write(corpus, tokenizer, tmp, shard_tokens)
+        manifest = _write(corpus, tokenizer, tmp, shard_tokens, progress or bar)
         _publish(tmp, directory, corpus, tokenizer)
     finally:
+        if bar is not None:
+            bar.close()
         shutil.rmtree(tmp, ignore_errors=True)
     return Shards(directory, manifest)
 
 
-def _write(corpus: Corpus, tokenizer: Tokenizer, directory: Path, shard_tokens: int) -> Manifest:
+def _write(
+    corpus: Corpus,
+    tokenizer: Tokenizer,
+    directory: Path,
+    shard_tokens: int,
+    progress: Progress | None,
+) -> Manifest:
     dtype = "uint16" if tokenizer.vocab_size <= 1 << 16 else "uint32"
     writer = _ShardWriter(directory, _dtype(dtype), shard_tokens, masks=corpus.chat)
     num_documents = 0
-    for batch in corpus.batches(_ENCODE_BATCH_DOCS):
+    for batch, num_bytes in corpus.batches(_ENCODE_BATCH_DOCS):
         encoded = _encode_chat(batch, tokenizer) if corpus.chat else _encode_text(batch, tokenizer)
         tokens = np.array(encoded[0], dtype=_dtype(dtype))
         assert int(tokens.max()) < tokenizer.vocab_size, (tokenizer.name, int(tokens.max()))
         writer.add(tokens, None if encoded[1] is None else np.array(encoded[1], dtype=np.uint8))
-        num_documents += len(batch)
+        num_documents += sum(last for _, _, last in batch)
+        if progress is not None:
+            progress(num_bytes, len(tokens))
     shards = writer.close()
     if isinstance(tokenizer, BPETokenizer):
         tokenizer.save(directory / TOKENIZER_FILE)
@@ -183,21 +206,24 @@ def _write(corpus: Corpus, tokenizer: Tokenizer, directory: Path, shard_tokens: 
     return manifest
 
 
-def _encode_text(batch: list[str], tokenizer: Tokenizer) -> tuple[list[int], None]:
+def _encode_text(batch: list[Piece], tokenizer: Tokenizer) -> tuple[list[int], None]:
+    """BOS (where the tokenizer has one) before a document's first piece, EOS after its last."""
     flat: list[int] = []
-    for ids in tokenizer.encode_batch(batch):
-        if tokenizer.bos_id is not None:
+    encoded = tokenizer.encode_batch([text for text, _, _ in batch])
+    for (_, first, last), ids in zip(batch, encoded, strict=True):
+        if first and tokenizer.bos_id is not None:
             flat.append(tokenizer.bos_id)
         flat += ids
-        flat.append(tokenizer.eos_id)
+        if last:
+            flat.append(tokenizer.eos_id)
     return flat, None
 
 
-def _encode_chat(batch: list[Record], tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
+def _encode_chat(batch: list[Piece], tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
     """Rendered records, piece by piece: (tokens, 1 where a token carries loss as a target)."""
     flat: list[int] = []
     mask: list[int] = []
-    for record in batch:
+    for record, _, _ in batch:
         rendered = render(record, tokenizer.chat_template)
         if tokenizer.bos_id is not None:
             flat.append(tokenizer.bos_id)

@@ -118,8 +118,9 @@ class BPETokenizer(Tokenizer):
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        # Parallel over documents in Rust threads.
-        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        # Parallel over documents in Rust threads; `_fast` skips the character offsets, which
+        # halves the time and the memory (the ids are the same).
+        encodings = self._tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)
         return [encoding.ids for encoding in encodings]
 
     def decode(self, ids: Sequence[int]) -> str:

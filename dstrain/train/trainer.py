@@ -17,6 +17,7 @@ from dstrain.config.load import to_toml
 from dstrain.config.schema import DstrainConfig
 from dstrain.data.build import build_dataset, split_eval
 from dstrain.data.loader import DataLoader, TokenDataset
+from dstrain.data.tokenizer import Tokenizer
 from dstrain.errors import UserError
 from dstrain.metrics.peak import forget, peak_flops
 from dstrain.metrics.processor import (
@@ -29,6 +30,7 @@ from dstrain.metrics.sinks import Sink
 from dstrain.model.flops import param_counts, training_flops_per_token
 from dstrain.parallel.distributed import env_int, init_distributed
 from dstrain.parallel.expert_parallel import reduce_expert_grads, scale_expert_grads
+from dstrain.parallel.once import once_per_cache
 from dstrain.parallel.parallelize import experts_use_fsdp
 from dstrain.train.checkpointing import CpuRng, SchedulePosition, TrainCheckpoints
 from dstrain.train.evaluation import EvalShape, Evaluator
@@ -68,11 +70,8 @@ class Trainer:
         self.model, self.pipeline = runtime.model, runtime.pipeline
         self.optimizer = runtime.optimizer
         self.init_from = runtime.weights  # None: drawn (or resumed)
-        self.tokenizer, self.dataset = build_dataset(
-            config.data, vocab_size=self.model_args.vocab_size, seq_len=config.train.seq_len
-        )
-        self.dataset, held_out = split_eval(
-            config.eval, config.data, self.tokenizer, self.dataset, self.batch.global_batch_size
+        self.tokenizer, self.dataset, held_out = once_per_cache(
+            self.world, config.data.cache_scope, self._load_data
         )
         self.probes = build_probes(config, self.device, self.meshes, self.model, self.pipeline)
         self.pipeline_timer = build_pipeline_timer(self.pipeline, self.probes, self.device)
@@ -136,6 +135,17 @@ class Trainer:
             scale_expert_grads(self.model, edp.size() * scale)
         else:
             reduce_expert_grads(self.model, edp.get_group() if edp.size() > 1 else None, scale)
+
+    def _load_data(self) -> tuple[Tokenizer, TokenDataset, TokenDataset | None]:
+        """(tokenizer, training samples, held-out samples or None), tokenized on first use."""
+        config = self.config
+        tokenizer, dataset = build_dataset(
+            config.data, vocab_size=self.model_args.vocab_size, seq_len=config.train.seq_len
+        )
+        dataset, held_out = split_eval(
+            config.eval, config.data, tokenizer, dataset, self.batch.global_batch_size
+        )
+        return tokenizer, dataset, held_out
 
     def _build_evaluator(self, held_out: TokenDataset | None) -> Evaluator | None:
         if held_out is None:

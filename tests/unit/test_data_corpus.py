@@ -136,7 +136,7 @@ def test_malformed_jsonl_names_the_line(tmp_path):
 def test_jsonl_line_that_is_not_an_object(tmp_path):
     path = tmp_path / "a.jsonl"
     path.write_text('{"text": "ok"}\n["a list"]\n')
-    assert "a.jsonl:2: a JSON list where an object was expected" in _error(path, tmp_path)
+    assert "a.jsonl:2: a JSON list, not an object" in _error(path, tmp_path)
 
 
 @pytest.mark.parametrize("content", ["", "\n\n", '{"text": ""}\n{"text": null}\n'])
