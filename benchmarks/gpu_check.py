@@ -10,6 +10,8 @@ CPU-only machine cannot, in one summary table.
    off (bitwise-comparable numerics), and one bf16 dp2 x ep2 run.
 4. The metrics of those runs: the CUDA-event comm spans (`comm/*`) and the GPU memory keys
    (`memory/peak_allocated_mb`, `memory/peak_reserved_mb`) present in metrics.jsonl.
+5. Document masking's CUDA kernel: FlexAttention with a BlockMask against SDPA with the boolean
+   mask (logits and gradients), and a short masked training run.
 
     python benchmarks/gpu_check.py [--out DIR] [--steps 30]
     python benchmarks/gpu_check.py --smoke      # the same plumbing on CPU, tiny, ~2 minutes
@@ -206,6 +208,62 @@ def check_layouts(table: Table, out: Path, gpus: int, smoke: bool) -> None:
     )
 
 
+def check_document_mask(table: Table, out: Path, smoke: bool) -> None:
+    """FlexAttention's BlockMask (the CUDA path of data.document_mask) against SDPA with the
+    boolean mask (the CPU path, which the CPU tests prove right) on one model and batch: logits
+    and gradients; then a short training run with the mask on."""
+    import torch
+
+    from dstrain.config.flavors import flavor_args
+    from dstrain.model import documents
+    from dstrain.model.transformer import build_model
+
+    device = "cpu" if smoke else "cuda"
+    model = build_model(flavor_args("debug"), device, seed=0)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.args.vocab_size, (2, 256), generator=g).to(device)
+    ids = torch.sort(torch.randint(0, 6, (2, 256), generator=g), dim=1).values.to(device)
+
+    def run(flex: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        saved = list(documents._COMPILED_FLEX)
+        if not flex:
+            documents._COMPILED_FLEX[:] = [None]  # the SDPA path with a boolean mask
+        try:
+            model.zero_grad()
+            logits = model(tokens, documents=ids)[0]
+            logits.float().square().mean().backward()
+        finally:
+            documents._COMPILED_FLEX[:] = saved
+        return logits.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    try:
+        (a, ga), (b, gb) = run(True), run(False)
+        logit_gap = (a - b).abs().max().item()
+        grad_gap = max(
+            ((x - y).abs().max() / y.abs().max().clamp_min(1e-12)).item()
+            for x, y in zip(ga, gb, strict=True)
+        )
+        kind = "SDPA bool mask (CPU)" if smoke else "FlexAttention BlockMask vs SDPA bool mask"
+        table.add(
+            "document mask kernels",
+            logit_gap < 1e-3 and grad_gap < 1e-2,
+            f"{kind}: max |logits diff| {logit_gap:.1e}, max grad diff {grad_gap:.1e} of max",
+        )
+    except Exception as exc:  # a kernel that does not run here is a finding, not a crash
+        table.add("document mask kernels", False, f"{type(exc).__name__}: {exc}"[:300])
+    steps = ["train.steps=4", "train.seq_len=256", "train.micro_batch_size=2"]
+    done = dstrain(
+        "train",
+        "--fresh",
+        *sets([f"run.root={out}", "run.name=docmask", "data.document_mask=true", *steps]),
+    )
+    table.add(
+        "document-masked run trains",
+        done.returncode == 0,
+        "" if done.returncode == 0 else done.stderr.strip()[-300:],
+    )
+
+
 def check_bench(table: Table, gpus: int) -> None:
     done = dstrain("bench", "comm", "--nproc", str(min(gpus, 8)), "--json", timeout=900)
     try:
@@ -232,6 +290,7 @@ def main() -> int:
     print(f"gpu check: {gpus} GPU(s), results under {args.out}", flush=True)
     check_doctor(table)
     check_proxy(table, args.out, 6 if args.smoke else args.steps, args.smoke)
+    check_document_mask(table, args.out, args.smoke)
     if gpus >= 2 or args.smoke:
         if not args.smoke:
             check_bench(table, gpus)

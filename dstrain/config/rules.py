@@ -412,6 +412,28 @@ def rule_paths(t: CheckTarget) -> Iterable[Finding]:
         )
 
 
+def rule_data(t: CheckTarget) -> Iterable[Finding]:
+    """Document masking runs where its mask reaches every attention layer."""
+    c = t.config
+    if not c.data.document_mask:
+        return
+    if c.parallel.pp > 1:
+        yield error(
+            "data.document_mask",
+            f"data.document_mask under pipeline parallelism (parallel.pp = {c.parallel.pp}): "
+            "the stages hand each other hidden states only, not the documents' mask",
+            "set parallel.pp = 1 (shard with dp_shard/tp/ep instead), or data.document_mask = "
+            "false",
+        )
+    if c.parallel.cp > 1:
+        yield error(
+            "data.document_mask",
+            f"data.document_mask with context parallelism (parallel.cp = {c.parallel.cp}): "
+            "a sequence's shards would need each other's document boundaries",
+            "set parallel.cp = 1, or data.document_mask = false",
+        )
+
+
 def rule_cluster(t: CheckTarget) -> Iterable[Finding]:
     """The GPU and network names are in the hardware table; timeouts suit the scale."""
     c = t.config.cluster
@@ -482,6 +504,7 @@ RULES: list[Rule] = [
     rule_optimizer,
     rule_model,
     rule_paths,
+    rule_data,
     rule_cluster,
     rule_metrics,
 ]

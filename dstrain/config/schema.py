@@ -254,6 +254,12 @@ class DataConfig(Section):
     cache_dir: Path = Field(
         Path(".cache/dstrain"), description="Where tokenizers and token shards are cached."
     )
+    document_mask: bool = Field(
+        False,
+        description="Attention stops at document boundaries (each window packs several "
+        "documents, joined by EOS) and positions restart at each document; a target in another "
+        "document than its position's carries no loss. Not under parallel.pp > 1 or cp > 1.",
+    )
     cache_scope: Literal["shared", "node"] = Field(
         "shared",
         description="Who tokenizes into data.cache_dir: `shared` (one file system seen by every "

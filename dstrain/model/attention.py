@@ -10,11 +10,14 @@ or one projection wq when q_lora_rank = 0; keys and values come from one shared 
 with `view(B, S, -1, head_dim)`, so a TP-sharded wq_b/wkv_b (fewer local heads) just works.
 """
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dstrain.config.model_args import ModelArgs
+from dstrain.model.documents import masked_attention
 from dstrain.model.norm import RMSNorm
 from dstrain.model.rope import apply_rope, softmax_scale
 
@@ -40,7 +43,9 @@ class MLA(nn.Module):
         self.wo = nn.Linear(heads * self.v_dim, args.dim, bias=False)
         self.scale = softmax_scale(args, qk_dim)
 
-    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any = None
+    ) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         q = self.wq_b(self.q_norm(self.wq_a(x_BSD))) if self.q_lora_rank else self.wq(x_BSD)
         q_BSHK = q.view(B, S, -1, self.nope_dim + self.rope_dim)
@@ -52,7 +57,7 @@ class MLA(nn.Module):
         k_rope = apply_rope(k_rope_BSP.unsqueeze(2), cos, sin).expand(-1, -1, k_nope.size(2), -1)
         q_BSHK = torch.cat([q_nope, q_rope], dim=-1)
         k_BSHK = torch.cat([k_nope, k_rope], dim=-1)
-        out = _causal_attention(q_BSHK, k_BSHK, v_BSHV, self.scale)
+        out = _causal_attention(q_BSHK, k_BSHK, v_BSHV, self.scale, mask)
         return self.wo(out.flatten(2))
 
 
@@ -70,7 +75,9 @@ class MHA(nn.Module):
         self.wo = nn.Linear(args.num_heads * self.head_dim, args.dim, bias=False)
         self.scale = softmax_scale(args, self.head_dim)
 
-    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any = None
+    ) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         q = apply_rope(self.wq(x_BSD).view(B, S, -1, self.head_dim), cos, sin)
         k = apply_rope(self.wk(x_BSD).view(B, S, -1, self.head_dim), cos, sin)
@@ -78,25 +85,28 @@ class MHA(nn.Module):
         groups = q.size(2) // k.size(2)
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
-        return self.wo(_causal_attention(q, k, v, self.scale).flatten(2))
+        return self.wo(_causal_attention(q, k, v, self.scale, mask).flatten(2))
 
 
 def _causal_attention(
-    q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: torch.Tensor, scale: float
+    q_BSHK: torch.Tensor,
+    k_BSHK: torch.Tensor,
+    v_BSHV: torch.Tensor,
+    scale: float,
+    mask: Any = None,
 ) -> torch.Tensor:
-    """SDPA over [B, H, S, *]. MLA's value width differs from its query/key width; the fused
-    SDPA kernels want them equal, so values are zero-padded to the key width and the output is
-    cut back (as torchtitan does), instead of falling back to the unfused math path."""
+    """SDPA over [B, H, S, *], causal, or within documents under a `DocumentMask.mask`. MLA's
+    value width differs from its query/key width; the fused kernels want them equal, so values
+    are zero-padded to the key width and the output is cut back (as torchtitan does), instead of
+    falling back to the unfused math path."""
     v_dim, k_dim = v_BSHV.size(-1), q_BSHK.size(-1)
     if v_dim < k_dim:
         v_BSHV = F.pad(v_BSHV, (0, k_dim - v_dim))
-    out = F.scaled_dot_product_attention(
-        q_BSHK.transpose(1, 2),
-        k_BSHK.transpose(1, 2),
-        v_BSHV.transpose(1, 2),
-        is_causal=True,
-        scale=scale,
-    )
+    q, k, v = (t.transpose(1, 2) for t in (q_BSHK, k_BSHK, v_BSHV))
+    if mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        out = masked_attention(q, k, v, mask, scale)
     return out.transpose(1, 2)[..., :v_dim]
 
 

@@ -75,15 +75,24 @@ class RotaryEmbedding(nn.Module):
         self.cos.copy_(angles.cos() * scale)
         self.sin.copy_(angles.sin() * scale)
 
-    def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, seq_len: int, positions_BS: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables for positions 0..seq_len-1 [S, dim/2], or for each token's own position
+        [B, S, dim/2] (under document masking, positions restart at each document)."""
+        if positions_BS is not None:
+            return self.cos[positions_BS], self.sin[positions_BS]
         return self.cos[:seq_len], self.sin[:seq_len]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of the last dim of x [B, S, H, dim] by angles for positions 0..S-1."""
+    """Rotate pairs of the last dim of x [B, S, H, dim] by the angles of each position: tables
+    [S, dim/2] (positions 0..S-1) or [B, S, dim/2] (each sequence's own positions)."""
     dtype = x.dtype
     pairs = x.to(torch.promote_types(dtype, torch.float32)).unflatten(-1, (-1, 2))
     even, odd = pairs[..., 0], pairs[..., 1]
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
     return rotated.flatten(-2).to(dtype)

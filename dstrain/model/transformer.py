@@ -9,11 +9,14 @@ hidden state at position i with the embedding of token i+k, runs one transformer
 predicts token i+k+1 through the shared head. Its sequence is k positions shorter.
 """
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from dstrain.config.model_args import ModelArgs
 from dstrain.model.attention import build_attention
+from dstrain.model.documents import DocumentMask
 from dstrain.model.ffn import FeedForward
 from dstrain.model.init import init_parameters
 from dstrain.model.moe import MoE
@@ -31,8 +34,12 @@ class TransformerBlock(nn.Module):
         is_moe = args.num_routed_experts > 0 and layer_id >= args.first_k_dense
         self.ffn = MoE(args) if is_moe else FeedForward(args.dim, args.inter_dim, args.mlp)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, **mask: Any
+    ) -> torch.Tensor:
+        """`mask`: under document masking, `mask=DocumentMask.mask` (a keyword, so that the TP
+        plans' input layouts, which cover x, cos and sin, stay as they are)."""
+        x = x + self.attention(self.attention_norm(x), cos, sin, **mask)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -49,11 +56,16 @@ class MTPModule(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(
-        self, h_prev: torch.Tensor, emb_next: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        h_prev: torch.Tensor,
+        emb_next: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        **mask: Any,
     ) -> torch.Tensor:
         """h_prev [B, S', D] at positions i, emb_next [B, S', D] of tokens i+k -> [B, S', D]."""
         h = self.proj(torch.cat([self.enorm(emb_next), self.hnorm(h_prev)], dim=-1))
-        return self.block(h, cos, sin)
+        return self.block(h, cos, sin, **mask)
 
 
 class Transformer(nn.Module):
@@ -78,17 +90,24 @@ class Transformer(nn.Module):
         self.mtp_embed: nn.Embedding | None = None
 
     def forward(
-        self, tokens: torch.Tensor, next_tokens: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        next_tokens: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """tokens [B, S] -> logits [B, S, V]; with MTP, (logits, mtp_1 [B, S-1, V], ...).
 
         A stage without the embedding takes hidden states [B, S, D] instead of token ids; a last
         stage with MTP then needs `next_tokens` [B, S-1] (token i+1 at position i).
+        `documents` [B, >= S]: each token's document index (document masking; see
+        `model/documents.py`), None: one causal sequence.
         """
         h = self.embed(tokens) if self.embed is not None else tokens
-        cos, sin = self.rope(h.size(1))
+        docs = None if documents is None else DocumentMask.of(documents[:, : tokens.size(1)])
+        cos, sin = self.rope(h.size(1), None if docs is None else docs.positions)
+        mask = {} if docs is None else {"mask": docs.mask}
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, **mask)
         if self.head is None:
             return h
         logits = self.head(self.norm(h) if self.norm is not None else h)
@@ -96,17 +115,24 @@ class Transformer(nn.Module):
             return logits
         if next_tokens is None:
             next_tokens = tokens[:, 1:]
-        return (logits, *self._mtp_logits(h, next_tokens[:, : h.size(1) - 1]))
+        return (logits, *self._mtp_logits(h, next_tokens[:, : h.size(1) - 1], docs))
 
-    def _mtp_logits(self, h: torch.Tensor, next_tokens: torch.Tensor) -> list[torch.Tensor]:
-        """next_tokens [B, S-1]: the tokens at positions 1..S-1."""
+    def _mtp_logits(
+        self, h: torch.Tensor, next_tokens: torch.Tensor, docs: DocumentMask | None
+    ) -> list[torch.Tensor]:
+        """next_tokens [B, S-1]: the tokens at positions 1..S-1. Depth k's position i stands
+        for the main sequence's position i: under document masking it takes that one's document
+        and position."""
         embed = self.mtp_embed if self.mtp_embed is not None else self.embed
         emb = embed(next_tokens)
         outputs = []
         for module in self.mtp.values():
             k = module.depth
-            cos, sin = self.rope(h.size(1) - 1)
-            h = module(h[:, :-1], emb[:, k - 1 :], cos, sin)
+            length = h.size(1) - 1
+            depth_docs = None if docs is None else docs.first(length)
+            cos, sin = self.rope(length, None if depth_docs is None else depth_docs.positions)
+            mask = {} if depth_docs is None else {"mask": depth_docs.mask}
+            h = module(h[:, :-1], emb[:, k - 1 :], cos, sin, **mask)
             outputs.append(self.head(module.norm(h)))
         return outputs
 

@@ -20,7 +20,7 @@ from dstrain.config.schema import EvalConfig
 from dstrain.data.loader import TokenDataset
 from dstrain.model.moe import Router
 from dstrain.parallel.pipeline import Pipeline
-from dstrain.train.loss import IGNORE_INDEX, inputs_of, labels_of
+from dstrain.train.loss import IGNORE_INDEX, depth_labels, documents_of, inputs_of, labels_of
 from dstrain.train.step import DataParallel, autocast, to_device
 
 
@@ -33,8 +33,16 @@ class EvalShape:
 
 
 class Evaluator:
-    def __init__(self, cfg: EvalConfig, dataset: TokenDataset, shape: EvalShape) -> None:
+    def __init__(
+        self,
+        cfg: EvalConfig,
+        dataset: TokenDataset,
+        shape: EvalShape,
+        document_eos: int | None = None,
+    ) -> None:
+        """`document_eos`: the EOS id under document masking (None: off)."""
         self.cfg, self.dataset, self.shape = cfg, dataset, shape
+        self.document_eos = document_eos
         whole = dataset.num_samples // shape.global_batch_size
         self.batches = whole if cfg.steps == 0 else min(cfg.steps, whole)
 
@@ -64,7 +72,7 @@ class Evaluator:
                     totals += (
                         _pipeline_sums(pipeline, micro, device)
                         if pipeline is not None
-                        else _sums(model, micro)
+                        else _sums(model, micro, self.document_eos)
                     )
         finally:
             model.train(was_training)
@@ -85,12 +93,13 @@ class Evaluator:
         return list(stacked.split(s.micro_batch_size))
 
 
-def _sums(model: torch.nn.Module, micro: list[torch.Tensor]) -> torch.Tensor:
+def _sums(model: torch.nn.Module, micro: list[torch.Tensor], eos: int | None) -> torch.Tensor:
     out = torch.zeros(2, dtype=torch.float64, device=micro[0].device)
     for mb in micro:
-        outputs = model(inputs_of(mb))
+        docs = None if eos is None else documents_of(mb, eos)
+        outputs = model(inputs_of(mb), **({} if docs is None else {"documents": docs}))
         logits = outputs[0] if isinstance(outputs, tuple) else outputs
-        out += _ce_and_count(logits, labels_of(mb))
+        out += _ce_and_count(logits, depth_labels(labels_of(mb), 0, docs))
     return out
 
 

@@ -1,5 +1,6 @@
 """Cross-entropy for the main head and the MTP heads, normalized once by global token counts, and
-the loader's micro-batch layout (`inputs_of`, `labels_of`).
+the loader's micro-batch layout (`inputs_of`, `labels_of`, and under document masking
+`documents_of`, whose boundaries `depth_labels` keeps targets from crossing).
 
 Each micro-batch contributes sum(CE) / (valid tokens of the whole global batch), so gradient
 accumulation, data parallelism and pipelining give exactly the loss of one big batch (STYLE 15).
@@ -33,6 +34,28 @@ def next_tokens_of(batch: torch.Tensor) -> torch.Tensor:
     return inputs_of(batch)[:, 1:]
 
 
+def documents_of(batch: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Each token's document in the window [B, S+1] (document masking): the number of EOS
+    tokens before it, so an EOS belongs to the document it ends."""
+    tokens = torch.where(batch < 0, ~batch, batch)
+    ends = (tokens == eos_id).to(torch.int32)
+    return ends.cumsum(dim=1, dtype=torch.int32) - ends
+
+
+def depth_labels(
+    labels_BS: torch.Tensor, depth: int, documents: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The targets of prediction depth `depth` (0: the main head, token i+1 at position i; k:
+    MTP depth k, token i+k+1) [B, S-depth]. Under document masking a target in another document
+    than its position's carries no loss: nothing before it in its own document was seen."""
+    labels = labels_BS[:, depth:]
+    if documents is None:
+        return labels
+    S = labels_BS.size(1)
+    crosses = documents[:, depth + 1 : S + 1] != documents[:, : S - depth]
+    return labels.masked_fill(crosses, IGNORE_INDEX)
+
+
 @dataclass(frozen=True)
 class TokenCounts:
     """Valid target tokens per depth (index 0: the main head) over the global batch."""
@@ -40,11 +63,23 @@ class TokenCounts:
     per_depth: tuple[int, ...]
 
     @classmethod
-    def of(cls, labels: list[torch.Tensor], num_mtp: int) -> "TokenCounts":
-        """Counts for this rank's micro-batches (the trainer all-reduces them across ranks)."""
+    def of(
+        cls,
+        labels: list[torch.Tensor],
+        num_mtp: int,
+        documents: list[torch.Tensor] | None = None,
+    ) -> "TokenCounts":
+        """Counts for this rank's micro-batches (the trainer all-reduces them across ranks);
+        `documents` per micro-batch under document masking."""
+        docs = documents or [None] * len(labels)
         return cls(
             tuple(
-                int(sum((lab[:, k:] != IGNORE_INDEX).sum().item() for lab in labels))
+                int(
+                    sum(
+                        (depth_labels(lab, k, doc) != IGNORE_INDEX).sum().item()
+                        for lab, doc in zip(labels, docs, strict=True)
+                    )
+                )
                 for k in range(num_mtp + 1)
             )
         )
@@ -55,16 +90,18 @@ def loss_terms(
     labels_BS: torch.Tensor,
     counts: TokenCounts,
     mtp_weight: float,
+    documents: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(loss to back-propagate, detached parts {"main", "mtp"}) for one micro-batch."""
+    """(loss to back-propagate, detached parts {"main", "mtp"}) for one micro-batch;
+    `documents` [B, S+1] under document masking."""
     logits = outputs if isinstance(outputs, torch.Tensor) else outputs[0]
-    main = _ce_sum(logits, labels_BS) / max(counts.per_depth[0], 1)
+    main = _ce_sum(logits, depth_labels(labels_BS, 0, documents)) / max(counts.per_depth[0], 1)
     parts = {"main": main.detach()}
     total = main
     if not isinstance(outputs, torch.Tensor) and len(outputs) > 1:
         depth = len(outputs) - 1
         mtp = sum(
-            _ce_sum(out, labels_BS[:, k:]) / max(counts.per_depth[k], 1)
+            _ce_sum(out, depth_labels(labels_BS, k, documents)) / max(counts.per_depth[k], 1)
             for k, out in enumerate(outputs[1:], start=1)
         )
         parts["mtp"] = mtp.detach() / depth

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from dstrain.metrics.probes import NO_PROBES, Probes
 from dstrain.model.moe import MoE, Router
 from dstrain.train.agreement import agree
-from dstrain.train.loss import TokenCounts, inputs_of, labels_of, loss_terms
+from dstrain.train.loss import TokenCounts, documents_of, inputs_of, labels_of, loss_terms
 from dstrain.train.loss_scale import LossScaler
 
 
@@ -78,17 +78,21 @@ def train_step(
     guard: "Guard | None" = None,
     probes: Probes = NO_PROBES,
     preempting: bool = False,
+    document_eos: int | None = None,
 ) -> StepResult:
     """`finish_grads` runs after the last backward, before clipping: the gradient reductions the
     DP wrappers do not do (expert-parallel experts). `guard(loss, grad_norm)` may refuse the
     update (the numerics guard). `probes` time the phases and the collectives. `preempting`:
-    this rank got SIGTERM (the result says whether any rank did)."""
+    this rank got SIGTERM (the result says whether any rank did). `document_eos`: the EOS id
+    under document masking (None: off)."""
     device = next(model.parameters()).device
     # Counted on the host, before the copy: no device sync for the divisors of the loss.
     host_labels = [labels_of(mb) for mb in micro_batches]
-    counts = global_counts(host_labels, num_mtp, dp, device)
+    host_docs = document_ids(micro_batches, document_eos)
+    counts = global_counts(host_labels, num_mtp, dp, device, host_docs)
     micro_batches = [to_device(mb, device) for mb in micro_batches]
     labels = [labels_of(mb) for mb in micro_batches]
+    docs = None if host_docs is None else [to_device(d, device) for d in host_docs]
     scale = backward_scale(scaler, dp.size, len(micro_batches))
     set_aux_scale(model, scale.aux)
     loss = torch.zeros((), device=device)
@@ -96,9 +100,10 @@ def train_step(
     for i, (mb, lab) in enumerate(zip(micro_batches, labels, strict=True)):
         with probes.phase("forward"):
             last = i == len(micro_batches) - 1
+            doc = None if docs is None else docs[i]
             with grad_sync(model, last=last, defer=dp.defer_sync), autocast(precision, device):
-                outputs = model(inputs_of(mb))
-            total, parts = loss_terms(outputs, lab, counts, mtp_weight)
+                outputs = model(inputs_of(mb), **({} if doc is None else {"documents": doc}))
+            total, parts = loss_terms(outputs, lab, counts, mtp_weight, doc)
         with probes.phase("backward"):
             (total * scale.loss).backward()
         loss = loss + parts["main"]
@@ -107,7 +112,7 @@ def train_step(
     with probes.phase("optimizer"):
         if finish_grads is not None:
             finish_grads()
-        local_loss = own_mean(loss.detach(), host_labels, counts)
+        local_loss = own_mean(loss.detach(), host_labels, counts, host_docs)
         loss = dp.sum(loss.detach())
         mtp_loss = dp.sum(mtp_loss.detach()) if mtp_loss is not None else None
         update = apply_update(
@@ -153,9 +158,14 @@ def backward_scale(scaler: LossScaler, dp_size: int, micro_batches: int) -> Back
     return BackwardScale(m * dp_size, m / micro_batches, 1.0)
 
 
-def own_mean(share: torch.Tensor, labels: list[torch.Tensor], counts: TokenCounts) -> torch.Tensor:
+def own_mean(
+    share: torch.Tensor,
+    labels: list[torch.Tensor],
+    counts: TokenCounts,
+    documents: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
     """A rank's share of the global mean loss, turned into the mean over its own tokens."""
-    own = TokenCounts.of(labels, 0).per_depth[0]
+    own = TokenCounts.of(labels, 0, documents).per_depth[0]
     return share * (counts.per_depth[0] / max(own, 1))
 
 
@@ -278,11 +288,25 @@ def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
     return batch.to(device, non_blocking=batch.is_pinned())
 
 
+def document_ids(
+    micro_batches: list[torch.Tensor], eos_id: int | None
+) -> list[torch.Tensor] | None:
+    """Each micro-batch's document ids under document masking (`eos_id` set), else None."""
+    if eos_id is None:
+        return None
+    return [documents_of(mb, eos_id) for mb in micro_batches]
+
+
 def global_counts(
-    labels: list[torch.Tensor], num_mtp: int, dp: DataParallel, device: torch.device
+    labels: list[torch.Tensor],
+    num_mtp: int,
+    dp: DataParallel,
+    device: torch.device,
+    documents: list[torch.Tensor] | None = None,
 ) -> TokenCounts:
-    """Target tokens per depth over the global batch; `labels` on the host (counted there)."""
-    local = TokenCounts.of(labels, num_mtp)
+    """Target tokens per depth over the global batch; `labels` (and `documents`) on the host
+    (counted there)."""
+    local = TokenCounts.of(labels, num_mtp, documents)
     if dp.size == 1:
         return local
     summed = dp.sum(torch.tensor(local.per_depth, dtype=torch.int64, device=device))

@@ -154,7 +154,8 @@ class Trainer:
         shape = EvalShape(
             self.batch.global_batch_size, self.batch.micro_batch_size, dp_rank, self.dims.dp
         )
-        return Evaluator(self.config.eval, held_out, shape)
+        eos = self.tokenizer.eos_id if self.config.data.document_mask else None
+        return Evaluator(self.config.eval, held_out, shape, eos)
 
     def _build_loader(self) -> DataLoader:
         dp_rank = self.meshes["dp"].get_local_rank() if self.dp.size > 1 else 0
@@ -444,7 +445,8 @@ class Trainer:
                 timer=self.pipeline_timer,
                 **common,
             )
-        return train_step(self.model, self.optimizer, batch, **common)
+        eos = self.tokenizer.eos_id if self.config.data.document_mask else None
+        return train_step(self.model, self.optimizer, batch, document_eos=eos, **common)
 
     def _faulty_forward(self) -> contextlib.AbstractContextManager:
         """DSTRAIN_INJECT_FAULT=nan: this rank's forward gives NaN during this step."""
@@ -540,9 +542,15 @@ class Trainer:
                 f"pipeline: {self.config.parallel.pp_schedule}, {self.batch.grad_accum_steps} "
                 f"micro-batches; layers per stage [{sizes}] (stage 0 first)"
             )
+        held = (
+            ""
+            if self.evaluator is None
+            else (f", {self.evaluator.dataset.num_samples:,} held out for validation")
+        )
+        masking = ", document masking" if self.config.data.document_mask else ""
         log(
-            f"data: {self.config.data.source} ({len(self.dataset):,} samples), "
-            f"tokenizer {self.tokenizer.name}"
+            f"data: {self.config.data.source} ({len(self.dataset):,} samples{held}), "
+            f"tokenizer {self.tokenizer.name}{masking}"
         )
         m = self.config.metrics
         if m.prometheus_port is not None:

@@ -21,6 +21,7 @@ def test_the_gpu_check_runs_its_steps_on_cpu(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     table = done.stdout.split("=" * 100)[-1]
-    for check in ("doctor", "1-GPU proxy", "dp2_zero1 vs one GPU", "pp2_1f1b vs one GPU"):
+    checks = ("doctor", "1-GPU proxy", "document mask kernels", "document-masked run trains")
+    for check in (*checks, "dp2_zero1 vs one GPU", "pp2_1f1b vs one GPU"):
         assert check in table, table
     assert "FAIL" not in table
