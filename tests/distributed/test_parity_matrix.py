@@ -70,6 +70,7 @@ def _check(
     reference_weights: dict,
     weights_dir: Path | None = None,
     reference: str = "reference",
+    weight_atol: float = WEIGHT_ATOL,
 ) -> None:
     expected, got = _losses(root, reference), _losses(root, name)
     assert len(got) == STEPS
@@ -83,7 +84,7 @@ def _check(
     weights = torch.load((weights_dir or root) / f"{name}.pt")
     assert weights.keys() == reference_weights.keys(), name
     worst = max((weights[k] - reference_weights[k]).abs().max().item() for k in weights)
-    assert worst < WEIGHT_ATOL, (name, worst)
+    assert worst < weight_atol, (name, worst)
     rel = max(abs(a - b) / abs(a) for a, b in zip(expected, got, strict=True))
     print(f"parity {name}: max loss rel diff {rel:.1e}, max weight diff {worst:.1e}")
 
