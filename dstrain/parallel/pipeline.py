@@ -132,6 +132,8 @@ class Pipeline:
     tied: TiedEmbedding | None
     router_names: list[str] = field(default_factory=list)
     layers: list[range] = field(default_factory=list)  # of every stage, for the start-up log
+    holders: list[int] = field(default_factory=list)  # stage index -> the pp rank holding it
+    tp_mesh: object = None  # the DeviceMesh of the DTensor activations stages hand on (TP + SP)
 
     @property
     def has_first(self) -> bool:
@@ -249,7 +251,15 @@ def build_pipeline(
             exit_code=1,
         ) from exc
     _quiet_metadata_inference(schedule, loss, union, stages)
-    return Pipeline(schedule, stages, union, pp_mesh.get_group(), loss, tied, router_names, layers)
+    holders = [0] * num_stages
+    for r in range(pp):
+        for s in stage_indices(p.pp_schedule, pp, v, r):
+            holders[s] = r
+    group = pp_mesh.get_group()
+    tp_mesh = meshes["tp"] if meshes["tp"].size() > 1 else None
+    return Pipeline(
+        schedule, stages, union, group, loss, tied, router_names, layers, holders, tp_mesh
+    )
 
 
 def _mesh_by_names(meshes: Meshes) -> Callable[..., object]:

@@ -3,11 +3,11 @@
 Which rank evaluates what: evaluation k of a run reads the same held-out samples every time,
 `eval.steps` batches of `train.global_batch_size` sequences taken in order from the start of the
 split; each batch is cut among the data-parallel ranks and into micro-batches exactly as a
-training step is (so under PP the schedule's forward-only `eval` runs it). The loss is the sum
-of the next-token cross-entropy over every target token of all the batches, summed over the
-data-parallel ranks, divided once by their count: the same figure, bit for bit on CPU, in every
-layout, and deterministic. Forward only, no gradient; the routers' load counters are restored
-afterwards, so evaluation never moves the balancing biases.
+training step is (under PP a forward pass through the stages, `parallel/pipeline_eval.py`). The
+loss is the sum of the next-token cross-entropy over every target token of all the batches,
+summed over the data-parallel ranks, divided once by their count: the same figure in every
+layout (to fp32 rounding), and deterministic. Forward only, no gradient; the routers' load
+counters are restored afterwards, so evaluation never moves the balancing biases.
 """
 
 import math
@@ -20,6 +20,7 @@ from dstrain.config.schema import EvalConfig
 from dstrain.data.loader import TokenDataset
 from dstrain.model.moe import Router
 from dstrain.parallel.pipeline import Pipeline
+from dstrain.parallel.pipeline_eval import forward_only
 from dstrain.train.loss import IGNORE_INDEX, depth_labels, documents_of, inputs_of, labels_of
 from dstrain.train.step import DataParallel, autocast, to_device
 
@@ -112,26 +113,16 @@ def _ce_and_count(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def _pipeline_sums(pipe: Pipeline, micro: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The schedule's forward-only `eval`; the last stage's loss function adds the sums up."""
+    """The stages' forward pass (`parallel/pipeline_eval.py`); the last stage's rank adds up the
+    sums, which reach every pipeline rank."""
     import torch.distributed as dist
 
+    mtp = getattr(pipe.model, "mtp", None) is not None
+    next_tokens = [inputs_of(mb)[:, 1:] for mb in micro] if mtp else None
+    outputs = forward_only(pipe, [inputs_of(mb) for mb in micro], next_tokens)
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-
-    def loss_fn(outputs: object, labels: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        logits = outputs[0] if isinstance(outputs, tuple) else outputs
-        sums = _ce_and_count(logits, labels)
-        totals.add_(sums)
-        return sums[0].float(), {}
-
-    saved = pipe.loss.fn
-    pipe.loss.fn, pipe.loss.inferring = loss_fn, True
-    try:
-        batch = torch.cat(micro)
-        args = (inputs_of(batch),) if pipe.has_first else ()
-        mtp = pipe.has_last and getattr(pipe.model, "mtp", None) is not None
-        kwargs = {"next_tokens": inputs_of(batch)[:, 1:]} if mtp else {}
-        pipe.schedule.eval(*args, target=labels_of(batch) if pipe.has_last else None, **kwargs)
-    finally:
-        pipe.loss.fn, pipe.loss.inferring = saved, False
-    dist.all_reduce(totals, group=pipe.group)  # the sums live on the last stage's rank
+    for out, mb in zip(outputs, micro, strict=False):  # outputs: only on the last stage's rank
+        logits = out[0] if isinstance(out, tuple) else out
+        totals += _ce_and_count(logits, labels_of(mb))
+    dist.all_reduce(totals, group=pipe.group)
     return totals

@@ -5,9 +5,11 @@ must equal the unsharded reference.
 Tolerances: forward rows meet the same fp32 kernels as the reference, only grouped differently,
 so outputs and input gradients agree to fp32 rounding (1e-6 of their scale). Expert-weight
 gradients are sums over ranks added in a different order than the reference's single pass
-(1e-5 relative). Training losses after a few AdamW steps: 1e-5 relative; the weights 1e-4,
-because Adam divides each gradient element by its own running magnitude, so fp32 rounding in a
-near-zero gradient element reaches the weight amplified (measured 2e-5 in a router gate).
+(1e-5 relative). The training comparison (3 AdamW steps) runs in fp64: Adam divides each
+gradient element by its own running magnitude, so fp32 rounding in a near-zero gradient element
+reaches the weight amplified (3.7e-3 of the scale in fp32 for the MTP block's shared expert with
+the layout-invariant initial draws), which would hide a real error; in fp64 losses agree to
+1e-5 and the weights to 1e-9 (measured 2.9e-12).
 """
 
 import pytest
@@ -19,7 +21,7 @@ pytestmark = pytest.mark.slow
 FWD = 1e-6
 GRAD = 1e-5
 LOSS = 1e-5
-WEIGHTS = 1e-4
+WEIGHTS = 1e-9  # the training comparison runs in fp64: measured 2.9e-12
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +94,11 @@ def test_training_steps_match_one_process_on_the_whole_batch(two_ranks, run):
         for got, want in zip(result["losses"], result["ref_losses"], strict=True):
             for g, w in zip(got, want, strict=True):
                 assert abs(g - w) <= LOSS * abs(w), (got, want)
+        print(
+            f"EP {run}: loss {result['losses'][-1][0]:.6f}, max weight diff dense "
+            f"{result['dense_params']:.1e} ({result['worst_dense']}), experts "
+            f"{result['expert_params']:.1e}"
+        )
         assert result["dense_params"] <= WEIGHTS and result["expert_params"] <= WEIGHTS, result
         assert result["expert_bias"] == 0
         assert len(result["local_experts"]) == 3

@@ -38,6 +38,10 @@ def setup(tmp_path_factory):
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     for source in sorted((stdlib / "json").glob("*.py")) + sorted((stdlib / "email").glob("*.py")):
         (corpus / f"{source.parent.name}_{source.stem}.txt").write_text(source.read_text())
+    held_out = root / "validation"  # files of their own: the training batches stay as they were
+    held_out.mkdir()
+    for source in sorted((stdlib / "http").glob("*.py")):
+        (held_out / f"http_{source.stem}.txt").write_text(source.read_text())
     common = [
         f"data.source={corpus}",
         f"data.cache_dir={root / 'cache'}",
@@ -50,7 +54,7 @@ def setup(tmp_path_factory):
         "metrics.log_interval=1",
         "metrics.tensorboard=false",
         "checkpoint.enable=false",
-        "eval.fraction=0.05",  # validation, on the same held-out batch in every layout
+        f"eval.source={held_out}",  # validation, on the same held-out batch in every layout
         "eval.interval=4",
         "eval.steps=1",
     ]

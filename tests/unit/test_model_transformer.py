@@ -1,4 +1,4 @@
-"""The whole decoder: output shapes, build_model (meta -> to_empty -> init_weights), parameter
+"""The whole decoder: output shapes, build_model (meta -> to_empty -> init_parameters), parameter
 count against flops.param_counts, and multi-token prediction (DeepSeek-V3 section 2.2)."""
 
 import math
