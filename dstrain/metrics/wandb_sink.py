@@ -29,6 +29,10 @@ _OFFLINE = dict(
     x_disable_meta=True,
     x_disable_machine_info=True,
     x_save_requirements=False,
+    # Generous start-up waits: on a loaded node (a 2-core CI machine running other ranks) the
+    # wandb-core service can take longer to start than the defaults (30 s, 90 s) allow.
+    x_service_wait=300.0,
+    init_timeout=300.0,
 )
 
 

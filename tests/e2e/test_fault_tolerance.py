@@ -200,7 +200,8 @@ def test_async_and_model_only_checkpoints_resume_exactly(common):  # noqa: F811
         "-m", "dstrain", "ckpt", "export-hf", str(folder / "model" / "step-3"), "-o", str(hf)
     )
     assert export.returncode == 0, export.stderr
-    assert (hf / "model.safetensors").exists() and (hf / "config.json").exists()
+    assert (hf / "model.safetensors.index.json").exists() and (hf / "config.json").exists()
+    assert list(hf.glob("model-*-of-*.safetensors"))
     again = _train(common, "async", "train.steps=6", *saves)
     assert again.returncode == 0, again.stderr
     assert _train(common, "async_ref", "train.steps=6").returncode == 0
