@@ -7,6 +7,7 @@ Scalars are logged at their training step. `moe/<layer>/tokens_per_expert` becom
 the expert-load heatmap over steps; a layer with more experts than W&B's 512-bin limit is skipped.
 """
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ class WandbSink:
                 exit_code=1,
             ) from None
         self.wandb = wandb
+        _drop_inherited_service()
         settings = wandb.Settings(**_OFFLINE)
         wandb.setup(settings=settings)
         folder.mkdir(parents=True, exist_ok=True)
@@ -83,3 +85,15 @@ class WandbSink:
         if self.run is not None:
             self.run.finish()
             self.run = None
+
+
+def _drop_inherited_service() -> None:
+    """Forget a wandb service that another process started. wandb passes its service to child
+    processes in WANDB_SERVICE ("3-<pid of its starter>-unix-<socket>" or "...-tcp-localhost-
+    <port>"), so a run launched from a notebook or a test runner that used wandb would log
+    through that process's service, which ends with it and takes the unwritten records along.
+    Ours starts with this process and `finish` waits for it."""
+    token = os.environ.get("WANDB_SERVICE", "")
+    fields = token.split("-")
+    if token and (len(fields) < 2 or fields[1] != str(os.getpid())):
+        del os.environ["WANDB_SERVICE"]

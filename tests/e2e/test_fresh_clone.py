@@ -41,15 +41,18 @@ def test_the_unit_tier_passes_without_shared(tmp_path):
         shutil.copy2(REPO / rel, target)
     assert not (clone.parent / "shared").exists()
     env = {**os.environ, "PYTHONPATH": str(clone)}
+    env.pop("WANDB_SERVICE", None)  # this process's wandb service, if a test here started one
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "tests/unit"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", "tests/unit"],
         cwd=clone,
         capture_output=True,
         text=True,
         env=env,
         timeout=1800,
     )
-    tail = done.stdout[-4000:] + done.stderr[-2000:]
+    # Failures first: the skip reasons that follow them would push them out of a plain tail.
+    failures = [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    tail = "\n".join(failures) + "\n" + done.stdout[-4000:] + done.stderr[-2000:]
     assert done.returncode == 0, tail
     assert " error" not in done.stdout.splitlines()[-1], tail
     # The shared-file tests skip, naming the folder that is missing.

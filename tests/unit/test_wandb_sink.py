@@ -1,6 +1,7 @@
 """The W&B sink writes an offline run whose history holds what was logged, at the logged steps."""
 
 import json
+import os
 import struct
 import sys
 from pathlib import Path
@@ -80,3 +81,17 @@ def test_without_wandb_installed_it_says_what_to_install(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="metrics.wandb") as caught:
         WandbSink(tmp_path, run="unit", config={})
     assert "pip install wandb" in caught.value.fix
+
+
+def test_a_service_another_process_started_is_not_used(tmp_path, monkeypatch):
+    """A token handed down by a launcher that used wandb names the launcher's pid: the sink
+    starts a service of its own, so the run survives the launcher."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SERVICE", f"3-{os.getppid()}-unix-{tmp_path}/no-such-socket")
+    sink = WandbSink(tmp_path / "run", run="unit", config={})
+    sink.write(1, {"loss/main": 1.0})
+    sink.close()
+    # Gone, or (when this test starts wandb here first) naming this process's own service.
+    assert os.environ.get("WANDB_SERVICE", f"3-{os.getpid()}").split("-")[1] == str(os.getpid())
+    (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
+    assert history(run_file)[0][1]["loss/main"] == 1.0
