@@ -1,11 +1,21 @@
 """Batch arithmetic: global = micro x grad_accum x dp, with the missing term inferred as DeepSpeed
-does (`DeepSpeedConfig._configure_train_batch_size`). The trainer and `check` share it."""
+does (`DeepSpeedConfig._configure_train_batch_size`). The trainer, `check` and the planner share
+it (`run_batch`).
+
+Under pipeline parallelism the accumulation steps are the pipeline's micro-batches, and one is
+never enough (upstream's schedules refuse fewer micro-batches than pipeline ranks). So when no
+term fixes the accumulation (no global batch, no grad_accum_steps), a pipelined run takes
+`parallel.num_microbatches` if given, else enough micro-batches to keep the default of 16
+sequences per data-parallel rank and step, and at least the schedule's minimum: `--set
+parallel.pp=2 --set train.micro_batch_size=4` trains 4 micro-batches of 4, as 16 sequences do
+without PP."""
 
 from dataclasses import dataclass
+from typing import Any
 
 from dstrain.config.findings import Finding, error, info
 
-DEFAULT_MICRO_BATCH = 16
+DEFAULT_MICRO_BATCH = 16  # and so the default batch per data-parallel rank and step
 
 
 @dataclass(frozen=True)
@@ -22,11 +32,29 @@ class BatchPlan:
         )
 
 
+def run_batch(config: Any, dp: int) -> tuple[BatchPlan | None, list[Finding]]:
+    """The batch of a `DstrainConfig` on `dp` data-parallel ranks (see the module docstring)."""
+    t, p = config.train, config.parallel
+    pipeline = None
+    if p.pp > 1:
+        fewest = p.pp * p.num_virtual_stages if p.pp_schedule == "dualpipev" else p.pp
+        pipeline = p.num_microbatches or fewest  # the fewest: `rules.rule_pipeline_microbatches`
+    return resolve_batch(
+        t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, dp, pipeline=pipeline
+    )
+
+
 def resolve_batch(
-    micro: int | None, global_: int | None, accum: int | None, dp: int
+    micro: int | None,
+    global_: int | None,
+    accum: int | None,
+    dp: int,
+    *,
+    pipeline: int | None = None,
 ) -> tuple[BatchPlan | None, list[Finding]]:
     """Fill the missing batch terms for `dp` data-parallel ranks; None plus errors when the given
-    terms cannot agree."""
+    terms cannot agree. `pipeline`: under PP, the micro-batches it takes when nothing else fixes
+    the accumulation (an explicit count, or the schedule's fewest)."""
     if micro and global_ and accum:
         if micro * accum * dp != global_:
             return None, [_mismatch(micro, global_, accum, dp)]
@@ -44,9 +72,25 @@ def resolve_batch(
             return None, [_indivisible(global_, f"dp = {dp}", "micro_batch_size")]
         plan = BatchPlan(global_ // dp, 1, global_, dp)
         return plan, [info("train.micro_batch_size", f"inferred {plan.describe()}")]
+    if pipeline and not accum:
+        return _pipelined(micro, pipeline, dp)
     micro, accum = micro or DEFAULT_MICRO_BATCH, accum or 1
     plan = BatchPlan(micro, accum, micro * accum * dp, dp)
     return plan, [info("train.global_batch_size", f"inferred {plan.describe()}")]
+
+
+def _pipelined(micro: int | None, fewest: int, dp: int) -> tuple[BatchPlan, list[Finding]]:
+    if micro:
+        accum = max(fewest, -(-DEFAULT_MICRO_BATCH // micro))
+    else:
+        accum, micro = fewest, max(1, DEFAULT_MICRO_BATCH // fewest)
+    plan = BatchPlan(micro, accum, micro * accum * dp, dp)
+    return plan, [
+        info(
+            "train.grad_accum_steps",
+            f"inferred {plan.describe()}: {accum} micro-batches per pipeline step",
+        )
+    ]
 
 
 def _mismatch(micro: int, global_: int, accum: int, dp: int) -> Finding:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dstrain.config.batch import BatchPlan, resolve_batch
+from dstrain.config.batch import BatchPlan, run_batch
 from dstrain.config.findings import Finding, error, info, warning
 from dstrain.config.model_args import ModelArgs
 from dstrain.config.parallel_dims import ParallelDims, stage_trim, tp_spans_nodes
@@ -42,10 +42,7 @@ class CheckTarget:
         dims = self.dims
         if dims is None or dims.dp < 1 or dims.validate():
             return None
-        t = self.config.train
-        plan, _ = resolve_batch(
-            t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, dims.dp
-        )
+        plan, _ = run_batch(self.config, dims.dp)
         return plan
 
     @property
@@ -106,9 +103,7 @@ def rule_batch(t: CheckTarget) -> Iterable[Finding]:
             else:
                 yield info("train", f"the batch sizes imply dp = {per_dp}")
         return
-    _, findings = resolve_batch(
-        tr.micro_batch_size, tr.global_batch_size, tr.grad_accum_steps, dims.dp
-    )
+    _, findings = run_batch(t.config, dims.dp)
     yield from findings
 
 

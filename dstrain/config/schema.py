@@ -161,7 +161,8 @@ class TrainConfig(Section):
         None,
         ge=1,
         description="Micro-batches accumulated per optimizer step. None = inferred (1 when the "
-        "batch sizes do not say otherwise).",
+        "batch sizes do not say otherwise; under PP, parallel.num_microbatches, else enough for "
+        "16 sequences per data-parallel rank and at least the schedule's fewest).",
     )
     seq_len: int = Field(128, gt=0, description="Tokens per training sequence.")
     precision: Literal["fp32", "bf16", "fp16"] = Field(

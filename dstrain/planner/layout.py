@@ -8,7 +8,7 @@ experts' own data-parallel degree is dp x cp x tp / ep.
 from dataclasses import dataclass
 from typing import Any
 
-from dstrain.config.batch import resolve_batch
+from dstrain.config.batch import run_batch
 from dstrain.errors import UserError
 from dstrain.hardware import GPUSpec
 
@@ -107,7 +107,7 @@ def layout_from_config(config: Any, world: int) -> Layout:
     p, t = config.parallel, config.train
     others = p.dp_replicate * p.cp * p.tp * p.pp
     dp = p.dp_replicate * (p.dp_shard if p.dp_shard > 0 else world // others)
-    plan, _ = resolve_batch(t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, dp)
+    plan, _ = run_batch(config, dp)
     if plan is None:
         raise UserError("the run's batch sizes do not resolve", "`dstrain check` the config")
     return Layout(

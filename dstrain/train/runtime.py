@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dstrain.config.batch import BatchPlan, resolve_batch
+from dstrain.config.batch import BatchPlan, run_batch
 from dstrain.config.flavors import resolve_model_args
 from dstrain.config.model_args import ModelArgs
 from dstrain.config.parallel_dims import ParallelDims
@@ -96,10 +96,7 @@ def _data_parallel(
 
 
 def _batch(config: DstrainConfig, dims: ParallelDims) -> BatchPlan:
-    t = config.train
-    plan, findings = resolve_batch(
-        t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, dims.dp
-    )
+    plan, findings = run_batch(config, dims.dp)
     raise_if_errors(findings)
     assert plan is not None
     return plan
