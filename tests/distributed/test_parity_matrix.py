@@ -23,11 +23,13 @@ from tests.distributed.harness import run_ranks
 pytestmark = pytest.mark.slow
 
 STEPS = 8
-LOSS_RTOL = 1e-6  # the issue asks 1e-5; measured 6.4e-8
-# Final weights after 8 AdamW steps (measured 4.8e-7): Adam's update ~ lr * g / (|g| + eps)
-# turns the ~1e-7 relative differences of summing gradients in another order into larger ones
-# for entries whose gradient is near eps.
-WEIGHT_ATOL = 2e-6
+LOSS_RTOL = 1e-6  # the issue asks 1e-5; measured 6.4e-8 (1.3e-7 with AVX2 kernels)
+# Final weights after 8 AdamW steps: Adam's update ~ lr * g / (|g| + eps) turns the ~1e-7
+# relative differences of summing gradients in another order into larger ones for entries whose
+# gradient is near eps. Measured up to 1.6e-6 with AVX512 kernels, and up to 3.0e-6 (TP layouts)
+# with ATen's and oneDNN's AVX2 kernels (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`, as
+# on the AVX2-only CI kind), whose vector width sums in another order.
+WEIGHT_ATOL = 5e-6
 
 
 @pytest.fixture(scope="module")
