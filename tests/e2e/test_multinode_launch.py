@@ -80,6 +80,10 @@ def test_two_agents_train_the_same_as_one_node(tmp_path):
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
         "RDZV_ID": f"e2e-{os.getpid()}",
+        # One thread per rank, as torchrun gives each of `--nproc 2`'s ranks on one node (with one
+        # process per node it leaves the threads alone): the loss's sum over tokens splits by
+        # thread, and with AVX2 kernels another split rounds the reported loss differently.
+        "OMP_NUM_THREADS": "1",
     }
     start = time.monotonic()
     agents = [
