@@ -37,11 +37,18 @@ def run_batch(config: Any, dp: int) -> tuple[BatchPlan | None, list[Finding]]:
     t, p = config.train, config.parallel
     pipeline = None
     if p.pp > 1:
-        fewest = p.pp * p.num_virtual_stages if p.pp_schedule == "dualpipev" else p.pp
-        pipeline = p.num_microbatches or fewest  # the fewest: `rules.rule_pipeline_microbatches`
+        pipeline = p.num_microbatches or fewest_microbatches(p)
     return resolve_batch(
         t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, dp, pipeline=pipeline
     )
+
+
+def fewest_microbatches(parallel: Any) -> int:
+    """The fewest micro-batches a pipeline step may have (`rules.rule_pipeline_microbatches`
+    refuses fewer): one per stage for DualPipeV, one per pipeline rank otherwise."""
+    if parallel.pp_schedule == "dualpipev":
+        return parallel.pp * parallel.num_virtual_stages
+    return parallel.pp
 
 
 def resolve_batch(

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dstrain.config.batch import BatchPlan, run_batch
+from dstrain.config.batch import BatchPlan, fewest_microbatches, run_batch
 from dstrain.config.findings import Finding, error, info, warning
 from dstrain.config.model_args import ModelArgs
 from dstrain.config.parallel_dims import ParallelDims, stage_trim, tp_spans_nodes
@@ -152,8 +152,7 @@ def rule_pipeline_microbatches(t: CheckTarget) -> Iterable[Finding]:
             " under PP the micro-batches of one step are the accumulation steps",
             "drop one of them (the other is inferred) or make them equal",
         )
-    stages = p.pp * p.num_virtual_stages
-    needed = stages if p.pp_schedule == "dualpipev" else p.pp
+    needed = fewest_microbatches(p)
     if m < needed:
         what = "stages" if p.pp_schedule == "dualpipev" else "pipeline ranks"
         yield error(
