@@ -47,6 +47,11 @@ class GPUSpec:
         return peak
 
 
+# The GPUs whose FP8 tensor cores run DeepSeek's blockwise recipe (1x128 x 128x128 scales)
+# through torch's `scaled_mm`: SM90, with CUDA >= 12.9. Not SM100 (B200) in eager in torch 2.13,
+# nor SM89 (RTX 4090), which have FP8 but not this kernel.
+BLOCKWISE_FP8_GPUS = frozenset({"H100", "H800", "H200"})
+
 GPUS: dict[str, GPUSpec] = {
     spec.name.lower(): spec
     for spec in (

@@ -15,7 +15,7 @@ from dstrain.config.model_args import ModelArgs
 from dstrain.config.parallel_dims import ParallelDims, stage_trim, tp_spans_nodes
 from dstrain.config.schema import DstrainConfig
 from dstrain.errors import UserError
-from dstrain.hardware import GPUSpec, gpu_spec, network_gbps
+from dstrain.hardware import BLOCKWISE_FP8_GPUS, GPUSpec, gpu_spec, network_gbps
 
 
 @dataclass(frozen=True)
@@ -338,6 +338,91 @@ def rule_precision(t: CheckTarget) -> Iterable[Finding]:
             f"{gpu.name} has no bf16 support",
             "use fp16 with loss scaling on this GPU",
         )
+    if precision == "fp8":
+        yield from _fp8_device(t.config.train.fp8_backend, gpu, is_cpu)
+
+
+def _fp8_device(backend: str, gpu: GPUSpec | None, is_cpu: bool) -> Iterable[Finding]:
+    """What runs fp8's GEMMs (train/precision.py decides the same at start-up)."""
+    if is_cpu:
+        if backend == "scaled_mm":
+            yield error(
+                "train.fp8_backend",
+                "scaled_mm on a CPU: the blockwise FP8 kernel is CUDA-only (SM90)",
+                "set train.fp8_backend = auto (the emulation on a CPU)",
+            )
+        else:
+            yield info(
+                "train.precision",
+                "fp8 on a CPU runs DeepSeek-V3's recipe as an exact emulation (E4M3 values, "
+                "fp32 products): its numerics, not FP8 speed",
+            )
+        return
+    if gpu is None or gpu.name in BLOCKWISE_FP8_GPUS:
+        return
+    has = "FP8 tensor cores but not the" if gpu.fp8_tflops else "no FP8 tensor cores, nor the"
+    reason = (
+        f"{gpu.name} has {has} blockwise 1x128/128x128 kernel torch runs on SM90 "
+        f"({', '.join(sorted(BLOCKWISE_FP8_GPUS))})"
+    )
+    if backend == "emulated":
+        yield warning(
+            "train.fp8_backend",
+            f"{reason}: the emulation will run, with FP8's numerics at far below bf16 speed",
+            "train in bf16 on this GPU for speed",
+        )
+    else:
+        yield error(
+            "train.precision",
+            reason,
+            "train in bf16 on this GPU, or set train.fp8_backend = emulated to run the exact "
+            "emulation (much slower than bf16)",
+        )
+
+
+def rule_fp8_tensor_parallel(t: CheckTarget) -> Iterable[Finding]:
+    """Under fp8 with tp > 1, each rank's share of every TP-sharded FP8 width is whole 128-tiles
+    (`parallel/fp8_tp.py` refuses the same at start-up)."""
+    dims, args = t.dims, t.model
+    if t.config.train.precision != "fp8" or dims is None or dims.tp == 1 or args is None:
+        return
+    for name, width in tp_sharded_fp8_widths(args):
+        if width % dims.tp or (width // dims.tp) % 128:
+            yield error(
+                "parallel.tp",
+                f"fp8 with tp = {dims.tp}: {name} ({width} wide) splits into "
+                f"{width / dims.tp:g} per rank, not a multiple of 128, so a 1x128 tile or "
+                "128x128 block would straddle two ranks",
+                f"choose tp so that {width} / tp is a multiple of 128, widen the model, or train "
+                "in bf16",
+            )
+            return
+
+
+def tp_sharded_fp8_widths(args: ModelArgs) -> list[tuple[str, int]]:
+    """(layer, width) of every FP8 linear width that TP splits (tensor_parallel.py's plan):
+    output features of the colwise layers, input features of the rowwise ones."""
+    h = args.num_heads
+    if args.attention == "mla":
+        qk = args.qk_nope_head_dim + args.qk_rope_head_dim
+        widths = [
+            ("attention wq_b" if args.q_lora_rank else "attention wq", h * qk),
+            ("attention wkv_b", h * (args.qk_nope_head_dim + args.v_head_dim)),
+            ("attention wo", h * args.v_head_dim),
+        ]
+    else:
+        head = args.head_dim or args.dim // h
+        widths = [
+            ("attention wq/wo", h * head),
+            ("attention wk/wv", (args.num_kv_heads or h) * head),
+        ]
+    if args.first_k_dense or not args.num_routed_experts:
+        widths.append(("dense FFN w1/w2/w3", args.inter_dim))
+    if args.num_routed_experts and args.num_shared_experts:
+        widths.append(("shared experts", args.num_shared_experts * args.moe_inter_dim))
+    if args.num_mtp_modules:
+        widths.append(("MTP proj", 2 * args.dim))
+    return widths
 
 
 def rule_optimizer(t: CheckTarget) -> Iterable[Finding]:
@@ -495,6 +580,7 @@ RULES: list[Rule] = [
     rule_tensor_parallel,
     rule_zero,
     rule_precision,
+    rule_fp8_tensor_parallel,
     rule_optimizer,
     rule_model,
     rule_paths,

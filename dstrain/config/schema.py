@@ -165,12 +165,22 @@ class TrainConfig(Section):
         "16 sequences per data-parallel rank and at least the schedule's fewest).",
     )
     seq_len: int = Field(128, gt=0, description="Tokens per training sequence.")
-    precision: Literal["fp32", "bf16", "fp16"] = Field(
+    precision: Literal["fp32", "bf16", "fp16", "fp8"] = Field(
         "fp32",
         description="Compute precision: fp32 (on Ampere or newer GPUs its matmuls run as TF32, "
-        "see train.tf32), bf16 autocast (master weights stay fp32), or fp16 with dynamic loss "
-        "scaling (see train.loss_scale). fp32 is the default so that a config computes the same "
-        "on a laptop and a GPU; GPU runs warn that bf16 is what large runs use.",
+        "see train.tf32), bf16 autocast (master weights stay fp32), fp16 with dynamic loss "
+        "scaling (see train.loss_scale), or fp8: DeepSeek-V3's fine-grained recipe (E4M3 "
+        "GEMMs with 1x128 activation tiles and 128x128 weight blocks for the attention, FFN and "
+        "expert linears; the rest in bf16; see train.fp8_backend). fp32 is the default so that a "
+        "config computes the same on a laptop and a GPU; GPU runs warn that bf16 is what large "
+        "runs use.",
+    )
+    fp8_backend: Literal["auto", "scaled_mm", "emulated"] = Field(
+        "auto",
+        description="How train.precision = fp8 runs its GEMMs. auto = scaled_mm (cuBLASLt "
+        "blockwise, SM90 with CUDA >= 12.9) on a GPU that has it, the plain-torch emulation on "
+        "a CPU, and an error on any other GPU; scaled_mm = required; emulated = the emulation "
+        "everywhere (on a GPU with a warning: exact, but far slower than bf16).",
     )
     tf32: bool | None = Field(
         None,

@@ -20,6 +20,7 @@ from torch import nn
 
 from dstrain.config.model_args import ModelArgs
 from dstrain.model.ffn import FeedForward
+from dstrain.model.fp8 import fp8_matmul
 
 _GROUPED_MM = getattr(F, "grouped_mm", None)  # torch >= 2.9; the loop below serves older torch
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -90,7 +91,10 @@ def count_per_expert(experts_TK: torch.Tensor, num_experts: int) -> torch.Tensor
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts as 3-D weights: w1, w3 [E, F, D] (gate, up) and w2 [E, D, F] (down)."""
+    """E SwiGLU experts as 3-D weights: w1, w3 [E, F, D] (gate, up) and w2 [E, D, F] (down).
+    `fp8_backend` (set by `fp8_linear.apply_fp8`): their GEMMs run in FP8 on it."""
+
+    fp8_backend: str | None = None
 
     def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
         super().__init__()
@@ -100,7 +104,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """x sorted by expert, counts_E[e] rows for expert e (zero allowed)."""
-        return grouped_swiglu(x_TD, self.w1, self.w2, self.w3, counts_E)
+        return grouped_swiglu(x_TD, self.w1, self.w2, self.w3, counts_E, self.fp8_backend)
 
 
 def grouped_swiglu(
@@ -109,10 +113,16 @@ def grouped_swiglu(
     w2_EDF: torch.Tensor,
     w3_EFD: torch.Tensor,
     counts_E: torch.Tensor,
+    fp8_backend: str | None = None,
 ) -> torch.Tensor:
     """SwiGLU of every expert on its rows of x (sorted by expert): w2(silu(w1 x) * w3 x), in the
     compute dtype (autocast's, else x's): autocast does not cover grouped GEMMs, and
-    `grouped_mm` refuses mixed dtypes (bf16 activations on fp32 experts kept out of FSDP2)."""
+    `grouped_mm` refuses mixed dtypes (bf16 activations on fp32 experts kept out of FSDP2).
+    With `fp8_backend`, each GEMM runs in FP8 on it instead (`fp8_grouped_matmul`)."""
+    if fp8_backend is not None:
+        gate_TF = fp8_grouped_matmul(x_TD, w1_EFD, counts_E, fp8_backend)
+        up_TF = fp8_grouped_matmul(x_TD, w3_EFD, counts_E, fp8_backend)
+        return fp8_grouped_matmul(F.silu(gate_TF) * up_TF, w2_EDF, counts_E, fp8_backend)
     dtype = compute_dtype(x_TD)
     x_TD = x_TD.to(dtype)
     w1_EFD, w2_EDF, w3_EFD = (w.to(dtype) for w in (w1_EFD, w2_EDF, w3_EFD))
@@ -143,6 +153,23 @@ def _grouped_matmul(
     # grouped_mm kernel takes bf16 only. Host sync: tolist() (the split sizes).
     chunks = x_TI.split(counts_E.tolist())
     return torch.cat([chunk @ w.T for chunk, w in zip(chunks, w_EOI, strict=True)])
+
+
+@torch.compiler.disable
+def fp8_grouped_matmul(
+    x_TI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor, backend: str
+) -> torch.Tensor:
+    """`_grouped_matmul` in FP8: one blockwise GEMM per expert (no grouped blockwise kernel
+    exists: `scaled_grouped_mm` takes rowwise and MX scales only). Each expert's rows are tiled
+    1 x 128 along I; its weight in 128 x 128 blocks; the wgrad's tiles run along its rows.
+    Host sync: tolist() (the split sizes). Eager under torch.compile (data-dependent splits)."""
+    chunks = x_TI.split(counts_E.tolist())
+    out = [
+        fp8_matmul(chunk, w, backend) for chunk, w in zip(chunks, w_EOI, strict=True) if len(chunk)
+    ]
+    if not out:
+        return x_TI.new_zeros(0, w_EOI.size(1), dtype=torch.bfloat16)
+    return torch.cat(out)
 
 
 @torch.compiler.disable

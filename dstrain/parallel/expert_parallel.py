@@ -81,6 +81,7 @@ class ExpertParallelExperts(nn.Module):
         self.ep_mesh = ep_mesh
         self.num_experts = experts.w1.size(0)
         self.num_local_experts = self.num_experts // ep_mesh.size()
+        self.fp8_backend = getattr(experts, "fp8_backend", None)
         first = ep_mesh.get_local_rank() * self.num_local_experts
         for name in EXPERT_WEIGHTS:
             full = getattr(experts, name)
@@ -113,7 +114,7 @@ class ExpertParallelExperts(nn.Module):
     def _local_experts(self, x_RD: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
         # GroupedExperts.forward on the local shards.
         w1_LFD, w2_LDF, w3_LFD = (getattr(self, n).to_local() for n in EXPERT_WEIGHTS)
-        return grouped_swiglu(x_RD, w1_LFD, w2_LDF, w3_LFD, counts_L)
+        return grouped_swiglu(x_RD, w1_LFD, w2_LDF, w3_LFD, counts_L, self.fp8_backend)
 
 
 def _balanced_splits(x_TD: torch.Tensor, W: int, L: int) -> tuple[torch.Tensor, list, list]:

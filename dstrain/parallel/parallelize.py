@@ -1,6 +1,8 @@
 """parallelize_model: the one place that turns the single-device model into the one that trains.
 
 Fixed order (torchtitan's), each step for a reason:
+0. FP8 conversion (train.precision = fp8): it swaps the classes of the linears that TP's styles
+   and FSDP then wrap, and under TP gives the sharded ones their local-shard forward;
 1. tensor parallelism first: it changes module shapes and placements;
 2. expert parallelism: it replaces the experts' forward with dispatch/combine;
 3. activation checkpointing: it must wrap the already-sharded modules;
@@ -16,11 +18,14 @@ from torch import nn
 
 from dstrain.config.parallel_dims import ParallelDims
 from dstrain.config.schema import DstrainConfig
+from dstrain.model.fp8 import choose_backend
+from dstrain.model.fp8_linear import apply_fp8
 from dstrain.model.hf_load import HFCheckpoint
 from dstrain.model.transformer import Transformer
 from dstrain.parallel.activation_checkpoint import apply_ac
 from dstrain.parallel.data_parallel import apply_ddp, apply_fsdp, apply_fsdp_experts
 from dstrain.parallel.expert_parallel import ExpertParallelExperts, apply_ep, expert_parameters
+from dstrain.parallel.fp8_tp import apply_fp8_tp
 from dstrain.parallel.materialize import materialize
 from dstrain.parallel.mesh import Meshes
 from dstrain.parallel.tensor_parallel import apply_tp
@@ -39,8 +44,11 @@ def parallelize_model(
     given). `device=None` leaves the parameters as they are: on meta for a dry run, or a model
     that was materialised already. Returns the module to train (DDP wraps)."""
     dims = meshes.dims if meshes is not None else None
+    if config.train.precision == "fp8":
+        apply_fp8(model, choose_backend(config.train.fp8_backend, device))
     if dims is not None and dims.tp > 1:
         apply_tp(model, meshes["tp"], sequence_parallel=config.parallel.sequence_parallel)
+        apply_fp8_tp(model)
     if dims is not None and dims.ep > 1:
         apply_ep(model, meshes["ep"])
     apply_ac(model, mode=config.train.activation_checkpoint)
@@ -65,7 +73,7 @@ def _apply_fsdp(model: Transformer, config: DstrainConfig, meshes: Meshes) -> No
     gradients reduced by `reduce_expert_grads`."""
     p, dims = config.parallel, meshes.dims
     experts = dict(expert_parameters(model))
-    param_dtype = torch.bfloat16 if config.train.precision == "bf16" else None
+    param_dtype = torch.bfloat16 if config.train.precision in ("bf16", "fp8") else None
     if experts_use_fsdp(config, dims):
         emesh = meshes.sparse["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else meshes["efsdp"]
         apply_fsdp_experts(

@@ -52,7 +52,7 @@ def state_bytes(model: nn.Module, config: DstrainConfig, pp: int) -> StateBytes:
     """Model states of `model` (this rank's module, on meta or materialised) under `config`."""
     p = config.parallel
     offload = p.offload_optimizer or p.offload_params
-    gathered_width = 2 if config.train.precision == "bf16" else FP32
+    gathered_width = 2 if config.train.precision in ("bf16", "fp8") else FP32
     moments = 1 if config.optim.name == "sgd" else 2
     out = StateBytes()
     for name, param in model.named_parameters():

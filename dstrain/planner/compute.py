@@ -17,6 +17,11 @@ MoE permutation are memory-bound: their traffic per token and layer is about ELE
 passes over a hidden-size tensor (and top-k for the routed copies), at HBM bandwidth. Every layer
 also pays a fixed launch cost (kernels x a few microseconds).
 
+FP8 (`precision = fp8`) is what the trainer runs (model/fp8.py, DeepSeek-V3's recipe): the
+attention projections, dense and shared-expert SwiGLUs, routed experts and MTP projection at the
+FP8 peak, their operands read in 1 byte plus the online quantisation of each input (read 2 bytes,
+write 1); the router, the output head and attention's fused kernel at the bf16 peak.
+
 Recompute (`selective`, which in the trainer checkpoints attention and the FFN, and `full`) runs
 the forward again in backward.
 """
@@ -113,17 +118,26 @@ def _stage_times(
 class _Chip:
     def __init__(self, cluster: Cluster, precision: str, consts: ComputeConstants) -> None:
         gpu = cluster.gpu
-        self.peak = gpu.peak_tflops(precision) * 1e12
+        self.fp8 = precision == "fp8"
+        self.peak = gpu.peak_tflops(precision) * 1e12  # the recipe's GEMMs (all, unless fp8)
+        self.peak16 = gpu.peak_tflops("bf16") * 1e12 if self.fp8 else self.peak
         self.hbm = gpu.hbm_tbps * 1e12 * consts.memory_efficiency
         self.consts = consts
 
-    def gemm(self, m: float, k: float, n: float, count: float = 1.0) -> float:
+    def gemm(
+        self, m: float, k: float, n: float, count: float = 1.0, *, recipe: bool = True
+    ) -> float:
+        """`recipe`: a GEMM the FP8 recipe covers (False: the router and the head, bf16)."""
         flops = 2 * m * k * n
-        traffic = 2 * (m * k + k * n + m * n)
-        return count * max(flops / (self.peak * self.consts.gemm_efficiency), traffic / self.hbm)
+        if self.fp8 and recipe:
+            # E4M3 operands (1 byte), bf16 output, and quantising both inputs (2 in, 1 out).
+            peak, traffic = self.peak, (m * k + k * n) * (1 + 3) + 2 * m * n
+        else:
+            peak, traffic = self.peak16, 2 * (m * k + k * n + m * n)
+        return count * max(flops / (peak * self.consts.gemm_efficiency), traffic / self.hbm)
 
     def attention(self, flops: float) -> float:
-        return flops / (self.peak * self.consts.attention_efficiency)
+        return flops / (self.peak16 * self.consts.attention_efficiency)
 
     def stream(self, nbytes: float) -> float:
         return nbytes / self.hbm
@@ -187,7 +201,7 @@ def _swiglu(args: ModelArgs, chip: _Chip, tokens: float, width: float, tp: int) 
 def _moe(args: ModelArgs, layout: Layout, chip: _Chip, tokens: float) -> float:
     """Router, shared experts (tp-split) and this rank's routed experts: the rank receives about
     tokens x top-k routed copies (balanced), spread over its E / ep experts."""
-    router = chip.gemm(tokens, args.dim, args.num_routed_experts)
+    router = chip.gemm(tokens, args.dim, args.num_routed_experts, recipe=False)
     width = args.num_shared_experts * args.moe_inter_dim
     shared = _swiglu(args, chip, tokens, width, layout.tp) if width else 0.0
     local_experts = args.num_routed_experts / layout.ep
@@ -202,7 +216,7 @@ def _moe(args: ModelArgs, layout: Layout, chip: _Chip, tokens: float) -> float:
 def _head(args: ModelArgs, layout: Layout, chip: _Chip, tokens: float) -> tuple[float, float]:
     """The output head over this rank's vocabulary shard, and each MTP module (its projection,
     block and another head application)."""
-    head = chip.gemm(tokens, args.dim, args.vocab_size / layout.tp)
+    head = chip.gemm(tokens, args.dim, args.vocab_size / layout.tp, recipe=False)
     if not args.num_mtp_modules:
         return head, 0.0
     block, attention = _layer(args, layout, chip, tokens, moe=args.num_routed_experts > 0)

@@ -15,8 +15,7 @@ def to_config(
     layout: Layout, cluster: Cluster, *, flavor: str | None, hf_config: Path | None
 ) -> DstrainConfig:
     """The config for `layout`: the model by flavor or HF config.json, the parallel and train
-    sections, and the cluster. fp8 (a planner estimate: the trainer has no fp8 path) is written
-    as bf16."""
+    sections, and the cluster."""
     model = {"hf_config": str(hf_config)} if hf_config else {"flavor": flavor or "debug"}
     return DstrainConfig.model_validate(
         {
@@ -37,7 +36,7 @@ def to_config(
                 "micro_batch_size": layout.micro_batch,
                 "global_batch_size": layout.global_batch,
                 "seq_len": layout.seq_len,
-                "precision": "fp16" if layout.precision == "fp16" else "bf16",
+                "precision": layout.precision if layout.precision != "fp32" else "bf16",
                 "activation_checkpoint": layout.recompute,
             },
             "cluster": {

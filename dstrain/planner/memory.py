@@ -18,8 +18,10 @@ paper's own accounting (Rajbhandari et al. 2020, sec. 3.1: 2 + 2 + 12 bytes, fp1
 16.6 and 1.9 GB), and differs from the runtime's by the fp32 gradients (and, at ZeRO-3, nothing).
 Dense parameters shard over dp x cp (the trainer's FSDP mesh), routed experts over their own
 data-parallel ranks (dp x cp x tp / ep); under offload the trainer keeps expert-parallel experts
-out of FSDP2, so they count as under DDP. fp8 training keeps 16-bit weights and adds no state here
-(per-tensor scales are negligible).
+out of FSDP2, so they count as under DDP. fp8 (the trainer's recipe, model/fp8.py) keeps fp32 master
+weights, gathers bf16 copies and saves its GEMM inputs in bf16, so its states and activations are
+bf16's here: the E4M3 copies live only inside each GEMM, and the 1x128 / 128x128 scales are
+1/128 and 1/16384 of a tensor.
 
 Activations: the tensors each layer saves for backward, counted per token in the manner of
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", sec.

@@ -175,6 +175,11 @@ def _step(config: DstrainConfig, runtime: Runtime) -> tuple[float | None, str]:
 
 def _grouped_mm_needs_bf16(config: DstrainConfig, runtime: Runtime) -> str | None:
     """torch 2.13's meta kernel of `_grouped_mm` (what fake tensors run) takes bf16 only."""
+    if runtime.model_args.num_routed_experts and config.train.precision == "fp8":
+        return (
+            "the routed experts' FP8 GEMMs split their rows by the expert counts, which fake "
+            "tensors do not hold"
+        )
     if runtime.model_args.num_routed_experts and config.train.precision != "bf16":
         return (
             "the routed experts' grouped GEMM has a bf16-only meta kernel in torch "
@@ -272,7 +277,7 @@ def _stage_step(
         if chunk.embed is not None:
             inputs = tokens
         else:
-            dtype = torch.bfloat16 if config.train.precision == "bf16" else torch.float32
+            dtype = torch.bfloat16 if config.train.precision in ("bf16", "fp8") else torch.float32
             shape = (*tokens.shape, runtime.model_args.dim)
             inputs = torch.randn(shape, dtype=dtype, requires_grad=True)
         kwargs = {"next_tokens": tokens} if chunk.mtp is not None and chunk.embed is None else {}

@@ -7,6 +7,9 @@ a device can fail, TF32 for fp32 on Ampere or newer GPUs, and the peak MFU is co
 - fp32 on Ampere or newer runs its matmuls as TF32 unless `train.tf32 = false` (PyTorch's own
   default is off; Megatron and torchtitan turn it on): MFU then counts against the TF32 peak.
 - A GPU run in fp32 gets a warning: bf16 is what large runs use.
+- fp8 picks its GEMM backend (`model/fp8.py: choose_backend`): cuBLASLt's blockwise kernel on
+  SM90, the emulation on a CPU (MFU then counts against the CPU's fp32 peak, what the emulation
+  computes in), an error on other GPUs unless `train.fp8_backend = emulated` (then a warning).
 """
 
 from dataclasses import dataclass
@@ -16,6 +19,7 @@ import torch
 from dstrain.config.model_args import ModelArgs
 from dstrain.errors import UserError
 from dstrain.model.flops import param_counts
+from dstrain.model.fp8 import choose_backend
 
 # The largest model fp16 may train on a CPU: the test-sized ones (the debug flavor is 1.85M).
 CPU_FP16_MAX_PARAMS = 5_000_000
@@ -27,15 +31,26 @@ class PrecisionSetup:
     tf32: bool  # fp32 matmuls run as TF32
     peak_kind: str  # the hardware table's column MFU counts against: fp32, tf32, bf16, fp16
     warning: str | None  # logged at start-up
+    fp8_backend: str | None = None  # fp8 only: "scaled_mm" or "emulated"
 
     def describe(self) -> str:
+        if self.fp8_backend == "scaled_mm":
+            return "fp8 (DeepSeek-V3 blockwise E4M3 through cuBLASLt scaled_mm; the rest bf16)"
+        if self.fp8_backend == "emulated":
+            return "fp8 (DeepSeek-V3 blockwise E4M3, emulated in plain torch; the rest bf16)"
         return f"{self.precision} with TF32 matmuls" if self.tf32 else self.precision
 
 
 def configure_precision(
-    precision: str, tf32: bool | None, device: torch.device, args: ModelArgs
+    precision: str,
+    tf32: bool | None,
+    device: torch.device,
+    args: ModelArgs,
+    fp8_backend: str = "auto",
 ) -> PrecisionSetup:
     """Check `precision` against `device` (a UserError before anything runs) and set TF32."""
+    if precision == "fp8":
+        return _fp8(tf32, device, fp8_backend)
     if device.type == "cuda":
         return _on_gpu(precision, tf32, device)
     if tf32:
@@ -85,3 +100,21 @@ def _on_gpu(precision: str, tf32: bool | None, device: torch.device) -> Precisio
         "speed of TF32, half the activation memory); --set train.precision=bf16"
     )
     return PrecisionSetup(precision, use_tf32, "tf32" if use_tf32 else "fp32", warning)
+
+
+def _fp8(tf32: bool | None, device: torch.device, requested: str) -> PrecisionSetup:
+    if tf32:
+        raise UserError(
+            "train.tf32 = true with train.precision = fp8: fp8 runs its other matmuls in bf16",
+            "leave train.tf32 unset",
+            exit_code=1,
+        )
+    backend = choose_backend(requested, device)
+    warning = None
+    if backend == "emulated" and device.type == "cuda":
+        warning = (
+            "train.fp8_backend = emulated on a GPU: FP8 numerics by the exact plain-torch "
+            "emulation, several times slower than bf16; for speed use an SM90 GPU or bf16"
+        )
+    peak = "fp8" if backend == "scaled_mm" else ("bf16" if device.type == "cuda" else "fp32")
+    return PrecisionSetup("fp8", False, peak, warning, backend)

@@ -58,7 +58,9 @@ class DataParallel:
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
     if precision == "fp32":
         return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    # fp8: bf16 autocast for what the FP8 recipe leaves out (embedding, head, norms, SDPA); the
+    # FP8 linears turn autocast off inside (model/fp8.py).
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 

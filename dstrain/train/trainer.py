@@ -63,6 +63,7 @@ class Trainer:
             config.train.tf32,
             self.device,
             resolve_model_args(config.model),
+            config.train.fp8_backend,
         )
         runtime = build_runtime(config, self.world, init_from=not self._will_resume())
         self.model_args, self.dims, self.meshes = runtime.model_args, runtime.dims, runtime.meshes

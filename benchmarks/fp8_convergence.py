@@ -1,0 +1,144 @@
+"""FP8 against bf16 on the same run: the debug model's loss curve, DeepSeek-V3's 0.25 % bound.
+
+Three runs of the debug flavor, same seed (so the same initial weights and the same batches),
+on a corpus of Python standard-library sources: bf16; fp8 (train.precision = fp8: E4M3 GEMMs
+with 1x128 / 128x128 scales, emulated on a CPU); and bf16 with another seed, whose distance
+from the first bf16 run is the run-to-run noise the FP8 gap should be read against.
+
+Each curve is smoothed by a moving average over `--window` steps. Printed, after the first 10 %
+of steps (the warm-up, where the curves fall fastest): the mean and the largest relative gap
+|fp8 - bf16| / bf16 of the smoothed curves, and the same for the other seed; and the final
+smoothed losses. `--png` draws the curves and the relative gap.
+
+Usage: python benchmarks/fp8_convergence.py [--steps 300] [--window 20] [--png out.png]
+           [--set k=v ...]
+"""
+
+import argparse
+import json
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from cpu import cpu_label  # noqa: E402  (benchmarks/cpu.py)
+
+from dstrain.config.load import load_config  # noqa: E402
+from dstrain.train.trainer import Trainer  # noqa: E402
+
+CORPUS_BYTES = 3_000_000
+
+
+def write_corpus(path: Path) -> None:
+    """The first CORPUS_BYTES of the standard library's modules, in sorted order."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    parts, size = [], 0
+    for source in sorted(stdlib.glob("*.py")):
+        text = source.read_text(errors="replace")
+        parts.append(text)
+        size += len(text)
+        if size >= CORPUS_BYTES:
+            break
+    path.write_text("".join(parts))
+
+
+def run(root: Path, name: str, settings: list[str]) -> tuple[list[float], float]:
+    config = load_config(None, [*settings, f"run.name={name}"]).config
+    start = time.perf_counter()
+    Trainer(config).train()
+    seconds = time.perf_counter() - start
+    lines = (root / "runs" / name / "metrics.jsonl").read_text().splitlines()
+    return [r["loss/main"] for r in map(json.loads, lines) if "loss/main" in r], seconds
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    out = []
+    for i in range(len(values)):
+        part = values[max(0, i - window + 1) : i + 1]
+        out.append(sum(part) / len(part))
+    return out
+
+
+def gaps(a: list[float], b: list[float], skip: int) -> list[float]:
+    return [abs(x - y) / y for x, y in zip(a[skip:], b[skip:], strict=True)]
+
+
+def plot(path: Path, curves: dict[str, list[float]], rel: dict[str, list[float]], skip: int):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+    for label, values in curves.items():
+        top.plot(range(1, len(values) + 1), values, label=label, linewidth=1.2)
+    top.set_ylabel("training loss (smoothed)")
+    top.legend()
+    top.set_title("debug model, FP8 (DeepSeek-V3 blockwise recipe) vs bf16")
+    for label, values in rel.items():
+        bottom.plot(range(skip + 1, skip + len(values) + 1), [100 * v for v in values], label=label)
+    bottom.axhline(0.25, color="red", linestyle="--", linewidth=1, label="0.25 % (V3 report)")
+    bottom.set_ylabel("relative gap to bf16 (%)")
+    bottom.set_xlabel("step")
+    bottom.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--window", type=int, default=20)
+    parser.add_argument("--png", type=Path)
+    parser.add_argument("--set", action="append", default=[], dest="overrides")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        write_corpus(root / "corpus.txt")
+        common = [
+            f"data.source={root / 'corpus.txt'}",
+            f"data.cache_dir={root / 'cache'}",
+            f"run.root={root / 'runs'}",
+            f"train.steps={args.steps}",
+            "train.seq_len=128",
+            "train.micro_batch_size=8",
+            "train.global_batch_size=8",
+            "lr.warmup_steps=30",
+            "metrics.log_interval=1",
+            "metrics.tensorboard=false",
+            "checkpoint.enable=false",
+            *args.overrides,
+        ]
+        bf16, bf16_s = run(root, "bf16", [*common, "train.precision=bf16"])
+        fp8, fp8_s = run(root, "fp8", [*common, "train.precision=fp8"])
+        seed, _ = run(root, "bf16_seed", [*common, "train.precision=bf16", "train.seed=7"])
+    skip = args.steps // 10
+    curves = {
+        name: smooth(v, args.window)
+        for name, v in [("bf16", bf16), ("fp8", fp8), ("bf16, seed 7", seed)]
+    }
+    rel = {
+        "fp8 vs bf16": gaps(curves["fp8"], curves["bf16"], skip),
+        "bf16 seed 7 vs bf16": gaps(curves["bf16, seed 7"], curves["bf16"], skip),
+    }
+    print(f"CPU: {cpu_label()}; {args.steps} steps, moving average over {args.window}")
+    print("| runs | mean rel. gap | largest rel. gap | final smoothed loss |")
+    print("|---|---|---|---|")
+    for (label, values), run_name in zip(rel.items(), ("fp8", "bf16, seed 7"), strict=True):
+        mean = sum(values) / len(values)
+        print(
+            f"| {label} | {100 * mean:.3f} % | {100 * max(values):.3f} % | "
+            f"{curves[run_name][-1]:.4f} vs {curves['bf16'][-1]:.4f} |"
+        )
+    print(f"time: bf16 {bf16_s:.0f} s, fp8 {fp8_s:.0f} s (fp8 / bf16 = {fp8_s / bf16_s:.2f}x)")
+    if args.png:
+        plot(args.png, curves, rel, skip)
+        print(f"wrote {args.png}")
+
+
+if __name__ == "__main__":
+    main()

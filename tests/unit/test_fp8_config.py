@@ -1,0 +1,108 @@
+"""train.precision = fp8: what `check` says and what the runtime does, on a CPU (dry runs on the
+fake backend for the tensor-parallel refusal)."""
+
+import pytest
+import torch
+
+from dstrain.config import rules
+from dstrain.config.flavors import flavor_args
+from dstrain.config.load import load_config
+from dstrain.config.preflight import preflight
+from dstrain.errors import UserError
+from dstrain.model.fp8_linear import Fp8Linear, apply_fp8, fp8_linears
+from dstrain.model.moe import GroupedExperts
+from dstrain.model.transformer import build_model
+from dstrain.train.dry_run import dry_run_rank
+from dstrain.train.precision import configure_precision
+
+WIDE = [
+    "model.qk_nope_head_dim=64",
+    "model.qk_rope_head_dim=64",
+    "model.v_head_dim=64",
+    "model.inter_dim=256",
+    "model.moe_inter_dim=256",
+]
+
+
+def test_the_recipe_converts_attention_ffn_mtp_and_experts_but_not_head_router_embedding():
+    model = build_model(flavor_args("debug"), device="meta")
+    changed = apply_fp8(model, "emulated")
+    names = {name for name, _ in fp8_linears(model)}
+    assert {"layers.0.attention.wq_a", "layers.0.ffn.w2", "layers.1.ffn.shared_experts.w2"} <= names
+    assert "mtp.1.proj" in names
+    assert not any("gate" in n or n == "head" for n in names)
+    assert type(model.head) is torch.nn.Linear and type(model.embed) is torch.nn.Embedding
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    assert experts and all(m.fp8_backend == "emulated" for m in experts)
+    assert changed == len(names) + len(experts)
+    assert all(isinstance(m, Fp8Linear) for _, m in fp8_linears(model))
+
+
+def test_an_fp8_model_trains_a_step_and_its_gradients_are_fp32():
+    torch.manual_seed(0)
+    model = build_model(flavor_args("debug"), device="cpu", seed=0)
+    apply_fp8(model, "emulated")
+    tokens = torch.randint(0, model.args.vocab_size, (2, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(tokens)[0]
+    logits.float().logsumexp(-1).mean().backward()
+    wq = model.layers["0"].attention.wq_a.weight
+    assert wq.dtype == torch.float32 and wq.grad.dtype == torch.float32
+    assert wq.grad.abs().sum() > 0
+    expert = next(m for m in model.modules() if isinstance(m, GroupedExperts))
+    assert expert.w1.grad is not None and expert.w1.grad.abs().sum() > 0
+
+
+def _check_errors(*sets, world=2):
+    loaded = load_config(None, ["train.precision=fp8", *sets])
+    return [f for f in preflight(loaded, world) if f.severity == "error"]
+
+
+@pytest.mark.parametrize(
+    "sets, refused",
+    [
+        (["parallel.tp=2"], True),  # the debug model's wq_b is 192 wide: 96 per rank
+        (["parallel.tp=2", *WIDE], False),
+        (["parallel.tp=2", *WIDE, "model.inter_dim=384"], True),
+        (["parallel.dp_shard=2"], False),
+    ],
+)
+def test_check_and_the_runtime_agree_on_tensor_parallel_widths(monkeypatch, sets, refused):
+    errors = _check_errors(*sets)
+    assert bool(errors) == refused, [e.message for e in errors]
+    if refused:
+        assert errors[0].key == "parallel.tp" and "multiple of 128" in errors[0].message
+    # The runtime's own refusal (parallel/fp8_tp.py), with the check's rule taken out.
+    monkeypatch.setattr(
+        rules, "RULES", [r for r in rules.RULES if r is not rules.rule_fp8_tensor_parallel]
+    )
+    config = load_config(None, ["train.precision=fp8", "train.precision=fp8", *sets]).config
+    if refused:
+        with pytest.raises(UserError, match="not a multiple of 128"):
+            dry_run_rank(config, 2, 0, step=False)
+    else:
+        dry_run_rank(config, 2, 1, step=False)
+
+
+def test_a_gpu_without_the_blockwise_kernel_is_an_error_unless_emulation_is_allowed():
+    (error,) = _check_errors("cluster.gpu=A100-80GB", world=1)
+    assert "no FP8 tensor cores" in error.message and "fp8_backend = emulated" in error.fix
+    assert "RTX4090" in _check_errors("cluster.gpu=RTX4090", world=1)[0].message
+    assert not _check_errors("cluster.gpu=H100", world=1)
+    loaded = load_config(
+        None, ["train.precision=fp8", "cluster.gpu=A100-80GB", "train.fp8_backend=emulated"]
+    )
+    findings = preflight(loaded, 1)
+    assert not [f for f in findings if f.severity == "error"]
+    assert any(f.severity == "warning" and f.key == "train.fp8_backend" for f in findings)
+
+
+def test_the_trainer_logs_the_backend_and_counts_mfu_against_what_runs():
+    args = flavor_args("debug")
+    setup = configure_precision("fp8", None, torch.device("cpu"), args)
+    assert setup.fp8_backend == "emulated" and setup.peak_kind == "fp32"
+    assert "emulated" in setup.describe() and setup.warning is None
+    with pytest.raises(UserError, match="blockwise kernel"):
+        configure_precision("fp8", None, torch.device("cpu"), args, "scaled_mm")
+    with pytest.raises(UserError, match="tf32"):
+        configure_precision("fp8", True, torch.device("cpu"), args)
