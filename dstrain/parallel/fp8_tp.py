@@ -54,6 +54,8 @@ def _check_shard(name: str, weight: DTensor) -> None:
 
 
 def _local_forward(self: Fp8Linear, x: DTensor) -> DTensor:
+    if self.bias is not None:
+        raise NotImplementedError("a tensor-parallel FP8 linear with a bias")  # none in dstrain
     weight = self.weight
     mesh = weight.device_mesh
     if _sharded_dim(weight) == 0:
@@ -64,6 +66,4 @@ def _local_forward(self: Fp8Linear, x: DTensor) -> DTensor:
         x_local = x.redistribute(mesh, [Shard(x.dim() - 1)]).to_local()
         y = fp8_matmul(x_local, weight.to_local(), self.fp8_backend)
         placements = [Partial()]
-    if self.bias is not None:
-        raise NotImplementedError("a tensor-parallel FP8 linear with a bias")  # none in dstrain
     return DTensor.from_local(y, mesh, placements, run_check=False)

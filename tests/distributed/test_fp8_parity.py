@@ -14,7 +14,13 @@ import json
 import pytest
 
 from tests.distributed.harness import run_ranks
-from tests.distributed.test_low_precision import _one_process, _worst, small  # noqa: F401
+from tests.distributed.test_low_precision import (  # noqa: F401
+    BF16_FOUR_RANKS,
+    BF16_TWO_RANKS,
+    _one_process,
+    _worst,
+    small,
+)
 from tests.distributed.test_parity_matrix import _losses
 
 pytestmark = pytest.mark.slow
@@ -28,33 +34,17 @@ WIDE = [
     "model.inter_dim=256",
     "model.moe_inter_dim=256",
 ]
+# The bf16 matrix's layouts (same names, same overrides), a subset of each.
 TWO_RANKS = {
-    "ddp": ["parallel.dp_shard=2", "parallel.zero_stage=0"],
-    "zero1": ["parallel.dp_shard=2", "parallel.zero_stage=1"],
-    "zero3": ["parallel.dp_shard=2", "parallel.zero_stage=3"],
-    "tp2": ["parallel.tp=2", "parallel.sequence_parallel=false"],
-    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
-    "ep2_in_fsdp": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero_stage=2"],
-    "ep2_outside_fsdp": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero_stage=0"],
-    "tp2_ep2": ["parallel.tp=2", "parallel.ep=2"],
-    "pp2_1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
-    "pp2_dualpipev": [
-        "parallel.pp=2",
-        "parallel.pp_schedule=dualpipev",
-        "parallel.num_virtual_stages=2",
-    ],
-}
+    name: BF16_TWO_RANKS[name]
+    for name in (
+        "ddp", "zero1", "zero3", "tp2", "tp2_sp", "ep2_in_fsdp", "ep2_outside_fsdp", "tp2_ep2",
+        "pp2_1f1b", "pp2_dualpipev",
+    )
+}  # fmt: skip
 FOUR_RANKS = {
-    "hsdp": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero_stage=3"],
-    "dp2_tp2": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.zero_stage=2"],
-    "dp4_ep2": ["parallel.dp_shard=4", "parallel.ep=2", "parallel.zero_stage=3"],
-    "pp2_tp2_sp": ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
-    "pp2_dp2_zero1_ep2": [
-        "parallel.pp=2",
-        "parallel.dp_shard=2",
-        "parallel.ep=2",
-        "parallel.zero_stage=1",
-    ],
+    name: BF16_FOUR_RANKS[name]
+    for name in ("hsdp", "dp2_tp2", "dp4_ep2", "pp2_tp2_sp", "pp2_dp2_zero1_ep2")
 }
 
 
