@@ -89,6 +89,18 @@ class ParallelConfig(Section):
     sequence_parallel: bool = Field(
         True, description="Shard norms and dropout over the sequence when tp > 1."
     )
+    ep_overlap: bool = Field(
+        True,
+        description="With ep > 1, run the shared experts while the routed tokens' dispatch "
+        "all-to-all is in flight, instead of after the combine. Same numbers either way.",
+    )
+    moe_tp: Literal["split_tokens", "repeat"] = Field(
+        "split_tokens",
+        description="How tp ranks share the routed experts' work when tp > 1. split_tokens: each "
+        "tp rank routes, dispatches and computes 1/tp of the tokens and the results are "
+        "all-gathered (expert FLOPs, activations and EP bytes per rank / tp). repeat: every tp "
+        "rank routes all tokens through the full experts (tp x the work; for comparison).",
+    )
     offload_optimizer: bool = Field(
         False,
         description="ZeRO-Offload: optimizer states and step on the CPU (needs zero_stage>=2).",

@@ -14,6 +14,8 @@ experts) instead of a Python loop per expert. The sorted layout and the per-expe
 what expert parallelism exchanges with all_to_all.
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,7 +55,6 @@ class Router(nn.Module):
         weights_TK = scores_TE.gather(1, experts_TK)
         if self.norm_topk_prob:
             weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
-        self._count(experts_TK)
         return weights_TK * self.route_scale, experts_TK, scores_TE
 
     def _limit_groups(self, choice_TE: torch.Tensor) -> torch.Tensor:
@@ -67,8 +68,10 @@ class Router(nn.Module):
         return grouped_TGe.masked_fill(mask_TG.unsqueeze(-1), float("-inf")).flatten(1)
 
     @torch.no_grad()
-    def _count(self, experts_TK: torch.Tensor) -> None:
-        # Activation checkpointing re-runs this forward inside backward; count the first pass only.
+    def count(self, experts_TK: torch.Tensor) -> None:
+        """Add the choices of the MoE's tokens to the load counters (the MoE calls it on all of its
+        tokens, also when each tp rank routed a share of them)."""
+        # Activation checkpointing re-runs the forward inside backward; count the first pass only.
         if torch._C._current_graph_task_id() == -1:
             counts = count_per_expert(experts_TK, self.num_experts)
             self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
@@ -102,8 +105,17 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
 
-    def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """x sorted by expert, counts_E[e] rows for expert e (zero allowed)."""
+    def forward(
+        self,
+        x_TD: torch.Tensor,
+        counts_E: torch.Tensor,
+        meanwhile: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
+        """x sorted by expert, counts_E[e] rows for expert e (zero allowed). `meanwhile`: work
+        independent of the result, run while the experts' communication is in flight (here,
+        with none, first)."""
+        if meanwhile is not None:
+            meanwhile()
         return grouped_swiglu(x_TD, self.w1, self.w2, self.w3, counts_E, self.fp8_backend)
 
 
@@ -207,6 +219,14 @@ class AddAuxiliaryLoss(torch.autograd.Function):
 
 
 class MoE(nn.Module):
+    """`token_share` (set by `parallel/moe_tokens.apply_token_split` under TP): an object with
+    `rows(x)` and `gather(part, total_rows)`; the MoE then routes only its tp rank's rows.
+    `overlap_shared` (`parallel.ep_overlap`): the shared experts run while the routed experts'
+    dispatch all-to-all is in flight (the experts' `meanwhile`), instead of after the combine."""
+
+    token_share = None
+    overlap_shared = False
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.num_experts, self.top_k = args.num_routed_experts, args.num_activated_experts
@@ -222,23 +242,49 @@ class MoE(nn.Module):
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(-1, D)
-        weights_TK, experts_TK, scores_TE = self.router(x_TD)
-        order = experts_TK.flatten().argsort(stable=True)
-        token_of = order // self.top_k
-        counts_E = count_per_expert(experts_TK, self.num_experts)
-        routed_TD = self.experts(x_TD[token_of], counts_E)
-        routed_TD = (routed_TD.to(weights_TK.dtype) * weights_TK.flatten()[order, None]).to(
-            x_TD.dtype
-        )
-        out_TD = torch.zeros_like(x_TD).index_add_(0, token_of, routed_TD)
+        share = self.token_share
+        # Under TP with split tokens, route and compute this rank's rows only, then gather.
+        mine_TD = share.rows(x_TD) if share is not None else x_TD
+        weights_TK, experts_TK, scores_TE = self.router(mine_TD)
+        shared: list[torch.Tensor] = []
+        meanwhile = None
+        if self.shared_experts is not None and self.overlap_shared:
+            meanwhile = lambda: shared.append(self.shared_experts(x_TD))  # noqa: E731
+        routed_TD = self._routed(mine_TD, weights_TK, experts_TK, meanwhile)
+        if share is not None:
+            T = x_TD.size(0)
+            routed_TD, scores_TE, experts_TK = (
+                share.gather(t, T) for t in (routed_TD, scores_TE, experts_TK)
+            )
+        self.router.count(experts_TK)
+        out_TD = routed_TD
         if self.shared_experts is not None:
-            out_TD = out_TD + self.shared_experts(x_TD)
+            out_TD = out_TD + (shared[0] if shared else self.shared_experts(x_TD))
         out = out_TD.view(B, S, D)
         if self.aux_loss_alpha > 0 and self.training and torch.is_grad_enabled():
             aux = self._balance_loss(scores_TE.view(B, S, -1), experts_TK.view(B, S, -1))
             self.last_aux_loss.copy_(aux.detach())
             out = AddAuxiliaryLoss.apply(out, aux * self.aux_loss_scale)
         return out
+
+    def _routed(
+        self,
+        x_TD: torch.Tensor,
+        weights_TK: torch.Tensor,
+        experts_TK: torch.Tensor,
+        meanwhile: Callable[[], None] | None,
+    ) -> torch.Tensor:
+        """The routed experts' weighted sum for each token: copies sorted by expert, through the
+        experts (running `meanwhile` while their communication is in flight), scaled by their
+        gate weights and added back to their tokens."""
+        order = experts_TK.flatten().argsort(stable=True)
+        token_of = order // self.top_k
+        counts_E = count_per_expert(experts_TK, self.num_experts)
+        routed_TD = self.experts(x_TD[token_of], counts_E, meanwhile=meanwhile)
+        routed_TD = (routed_TD.to(weights_TK.dtype) * weights_TK.flatten()[order, None]).to(
+            x_TD.dtype
+        )
+        return torch.zeros_like(x_TD).index_add_(0, token_of, routed_TD)
 
     def _balance_loss(self, scores_BSE: torch.Tensor, experts_BSK: torch.Tensor) -> torch.Tensor:
         """Sequence-wise balance loss (V3 eq. 17-20): alpha * sum_e f_e * P_e per sequence,

@@ -31,6 +31,8 @@ experts after `full_tensor()`, and FSDP2 on the `efsdp` mesh (a sibling of `ep` 
 shards them further as a 2-D (efsdp, ep) parameter, as torchtitan does.
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -45,14 +47,15 @@ from dstrain.model.transformer import Transformer
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
 
-def apply_ep(model: Transformer | MoE, ep_mesh: DeviceMesh) -> None:
+def apply_ep(model: Transformer | MoE, ep_mesh: DeviceMesh, *, overlap_shared: bool = True) -> None:
     """Split the routed experts of every MoE in `model` (main layers and MTP blocks; or one MoE)
     over the 1-D `ep_mesh`, in place: ep rank r keeps experts [r*E/ep, (r+1)*E/ep) as DTensor
     `Shard(0)` shards of w1, w2, w3 (same names, global shapes), and the experts' forward becomes
     dispatch -> local grouped matmuls -> combine. Works on a `meta` model (materialize after).
 
     The full weights must be identical on every ep rank (same seed or checkpoint): each rank
-    slices its block locally, without communication. A no-op when ep is 1."""
+    slices its block locally, without communication. `overlap_shared` (`parallel.ep_overlap`):
+    the shared experts run while the dispatch is in flight. A no-op when ep is 1."""
     if ep_mesh.ndim != 1:
         raise ValueError(f"apply_ep needs a 1-D ep mesh, got {ep_mesh.ndim}-D: pass meshes['ep']")
     if ep_mesh.size() == 1:
@@ -65,6 +68,7 @@ def apply_ep(model: Transformer | MoE, ep_mesh: DeviceMesh) -> None:
                 f"{moe.num_experts}"
             )
         moe.experts = ExpertParallelExperts(moe.experts, ep_mesh)
+        moe.overlap_shared = overlap_shared
 
 
 class ExpertParallelExperts(nn.Module):
@@ -94,7 +98,15 @@ class ExpertParallelExperts(nn.Module):
     # dynamo's dynamic shapes over these data-dependent sizes fail to build their guards in
     # torch 2.13 ("sources must not be empty for symbol"); the graph breaks around the experts.
     @torch.compiler.disable
-    def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x_TD: torch.Tensor,
+        counts_E: torch.Tensor,
+        meanwhile: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
+        """`meanwhile` runs after the rows' dispatch is issued and before its result is first
+        used: functional collectives are asynchronous until `wait_tensor` (a gloo worker thread
+        on CPU, NCCL's stream on GPU, which the compute stream waits on only there)."""
         group = self.ep_mesh.get_group()
         W, L = self.ep_mesh.size(), self.num_local_experts
         if self.balanced:
@@ -106,6 +118,8 @@ class ExpertParallelExperts(nn.Module):
             # Host-device sync: the all-to-all split sizes must be Python ints (one .tolist()).
             send_W, recv_W = torch.stack([counts_E.view(W, L).sum(1), recv_WL.sum(1)]).tolist()
         x_RD = label_backward(funcol.all_to_all_single_autograd(x_TD, recv_W, send_W, group), "ep")
+        if meanwhile is not None:
+            meanwhile()
         order_R, inverse_R = _by_local_expert(recv_WL, sum(recv_W))
         y_RD = self._local_experts(x_RD[order_R], recv_WL.sum(0))[inverse_R]
         y_TD = funcol.all_to_all_single_autograd(y_RD, send_W, recv_W, group)
@@ -151,8 +165,9 @@ def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 def reduce_expert_grads(model: nn.Module, group: dist.ProcessGroup | None, scale: float) -> None:
     """Finish the experts' gradients, which DDP/FSDP leave alone: sum them over the ranks that
     hold the same experts (`group`: dp_replicate x efsdp; the backward all-to-all already summed
-    over the ep group) and `scale` them (1 / (dp x tp): the loss was multiplied by dp for the
-    dense average, and tensor-parallel ranks route identical copies of each token)."""
+    over the ep group) and `scale` them (`moe_tokens.expert_grad_scale`: 1 / dp, the loss was
+    multiplied by dp for the dense average, times 1 / tp where tp ranks route identical copies
+    of each token)."""
     for _, param in expert_parameters(model):
         if param.grad is None:
             continue

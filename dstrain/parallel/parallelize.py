@@ -3,7 +3,8 @@
 Fixed order (torchtitan's), each step for a reason:
 0. FP8 conversion (train.precision = fp8): it swaps the classes of the linears that TP's styles
    and FSDP then wrap, and under TP gives the sharded ones their local-shard forward;
-1. tensor parallelism first: it changes module shapes and placements;
+1. tensor parallelism first: it changes module shapes and placements (and, with
+   parallel.moe_tp = split_tokens, gives each MoE its tp rank's share of the tokens);
 2. expert parallelism: it replaces the experts' forward with dispatch/combine;
 3. activation checkpointing: it must wrap the already-sharded modules;
 4. torch.compile per block: it must see the final modules;
@@ -28,6 +29,7 @@ from dstrain.parallel.expert_parallel import ExpertParallelExperts, apply_ep, ex
 from dstrain.parallel.fp8_tp import apply_fp8_tp
 from dstrain.parallel.materialize import materialize
 from dstrain.parallel.mesh import Meshes
+from dstrain.parallel.moe_tokens import apply_token_split
 from dstrain.parallel.tensor_parallel import apply_tp
 
 
@@ -49,8 +51,10 @@ def parallelize_model(
     if dims is not None and dims.tp > 1:
         apply_tp(model, meshes["tp"], sequence_parallel=config.parallel.sequence_parallel)
         apply_fp8_tp(model)
+        if config.parallel.moe_tp == "split_tokens":
+            apply_token_split(model, meshes["tp"])
     if dims is not None and dims.ep > 1:
-        apply_ep(model, meshes["ep"])
+        apply_ep(model, meshes["ep"], overlap_shared=config.parallel.ep_overlap)
     apply_ac(model, mode=config.train.activation_checkpoint)
     if config.train.compile:
         apply_compile(model)

@@ -386,12 +386,14 @@ def _expert_parallel(
     """GShard (Lepikhin et al. 2020) / Switch routing as in the DeepSeek-V3 report (Sec. 3.2):
     per MoE layer per micro-batch a dispatch and a combine all-to-all in forward and the same
     two in backward (two more under full recompute), each of the token copies this rank routes:
-    tokens * top_k * dim * 2 bytes (every tp rank routes the full set in the trainer). Exposed,
+    tokens * top_k * dim * 2 bytes, over tp under moe_tp = split_tokens (each tp rank routes
+    its share; under repeat every tp rank routes the full set). Exposed,
     except under `dualpipev`, where DualPipe runs one micro-batch's all-to-alls under another's
     compute (DeepSeek-V3 report, Sec. 3.2.1): exposed = max(0, time - overlap_compute_s)."""
     if ctx.layout.ep == 1 or moe_layers == 0:
         return AxisComm(group_size=ctx.layout.ep)
-    size = ctx.tokens * args.num_activated_experts * args.dim * ACTIVATION_BYTES
+    size = ctx.tokens / ctx.layout.routed_split * args.num_activated_experts * args.dim
+    size *= ACTIVATION_BYTES
     calls = (6 if ctx.recompute_full else 4) * moe_layers * ctx.microbatches
     out = ctx.axis("ep", "all_to_all", calls * size, calls)
     if ctx.layout.schedule == "dualpipev":

@@ -78,6 +78,7 @@ def stage_times(
         layout.recompute,
         layout.precision,
         layout.sequence_parallel,
+        layout.moe_tp,
     )
     return _stage_times(args, key, cluster, shape, consts or ComputeConstants())
 
@@ -86,7 +87,7 @@ def stage_times(
 def _stage_times(
     args: ModelArgs, key: tuple, cluster: Cluster, shape: RankShape, consts: ComputeConstants
 ) -> StageTimes:
-    tp, ep, cp, mb, seq, recompute, precision, sp = key
+    tp, ep, cp, mb, seq, recompute, precision, sp, moe_tp = key
     layout = Layout(
         dp=1,
         tp=tp,
@@ -97,6 +98,7 @@ def _stage_times(
         recompute=recompute,
         precision=precision,
         sequence_parallel=sp,
+        moe_tp=moe_tp,
     )
     chip = _Chip(cluster, layout.precision, consts)
     tokens = layout.micro_batch * layout.seq_len / layout.cp
@@ -199,13 +201,15 @@ def _swiglu(args: ModelArgs, chip: _Chip, tokens: float, width: float, tp: int) 
 
 
 def _moe(args: ModelArgs, layout: Layout, chip: _Chip, tokens: float) -> float:
-    """Router, shared experts (tp-split) and this rank's routed experts: the rank receives about
-    tokens x top-k routed copies (balanced), spread over its E / ep experts."""
-    router = chip.gemm(tokens, args.dim, args.num_routed_experts, recipe=False)
+    """Router, shared experts (tp-split) and this rank's routed experts: the rank routes its
+    share of the tokens (1 / tp of them under moe_tp = split_tokens, all under repeat) and
+    receives about as many x top-k routed copies (balanced), spread over its E / ep experts."""
+    routed_tokens = tokens / layout.routed_split
+    router = chip.gemm(routed_tokens, args.dim, args.num_routed_experts, recipe=False)
     width = args.num_shared_experts * args.moe_inter_dim
     shared = _swiglu(args, chip, tokens, width, layout.tp) if width else 0.0
     local_experts = args.num_routed_experts / layout.ep
-    per_expert = tokens * args.num_activated_experts / local_experts
+    per_expert = routed_tokens * args.num_activated_experts / local_experts
     inter = args.moe_inter_dim
     routed = chip.gemm(per_expert, args.dim, inter, 2 * local_experts) + chip.gemm(
         per_expert, inter, args.dim, local_experts

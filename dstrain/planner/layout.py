@@ -34,6 +34,7 @@ class Layout:
     sequence_parallel: bool = False
     offload: bool = False  # optimizer states (and fp32 master weights) in host memory
     adam_moments: str = "fp32"  # or "bf16": Adam's two moments in 16 bits
+    moe_tp: str = "split_tokens"  # or "repeat": every tp rank routes every token (the trainer's)
 
     @property
     def world(self) -> int:
@@ -50,6 +51,12 @@ class Layout:
         expert parallelism; without it they are ordinary parameters, replicated over tp and
         sharded over dp x cp like the rest."""
         return self.expert_dp if self.ep > 1 else self.dp * self.cp
+
+    @property
+    def routed_split(self) -> int:
+        """Ranks the routed work of one micro-batch's tokens is split over within a tp group:
+        tp under `moe_tp = split_tokens` (each routes its share), 1 under `repeat`."""
+        return self.tp if self.moe_tp == "split_tokens" else 1
 
     @property
     def microbatches(self) -> int:
@@ -126,4 +133,5 @@ def layout_from_config(config: Any, world: int) -> Layout:
         precision=t.precision,
         sequence_parallel=p.sequence_parallel,
         offload=p.offload_optimizer,
+        moe_tp=p.moe_tp,
     )

@@ -28,6 +28,7 @@ def to_config(
                 "cp": layout.cp,
                 "zero_stage": layout.zero,
                 "sequence_parallel": layout.sequence_parallel,
+                "moe_tp": layout.moe_tp,
                 "offload_optimizer": layout.offload,
                 "pp_schedule": layout.schedule,
                 "num_virtual_stages": _virtual(layout),

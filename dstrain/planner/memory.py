@@ -229,18 +229,22 @@ def layer_bytes_per_token(args: ModelArgs, layout: Layout, *, moe: bool) -> floa
 
 
 def _layer_bytes(args: ModelArgs, layout: Layout, recompute: str, moe: bool) -> float:
-    return _cached_layer_bytes(args, layout.tp, layout.sequence_parallel, recompute, moe)
+    return _cached_layer_bytes(
+        args, layout.tp, layout.sequence_parallel, recompute, moe, layout.routed_split
+    )
 
 
 @per_model
-def _cached_layer_bytes(args: ModelArgs, tp: int, sp: bool, recompute: str, moe: bool) -> float:
+def _cached_layer_bytes(
+    args: ModelArgs, tp: int, sp: bool, recompute: str, moe: bool, routed_split: int
+) -> float:
     hidden = 2 * args.dim / (tp if sp else 1)  # one hidden-size tensor
     if recompute == "full":
         return hidden
     if recompute == "selective":
         return 3 * hidden  # the block input, and the inputs of attention and of the FFN
     attention = _attention_bytes(args, tp)
-    ffn = _moe_bytes(args, tp) if moe else _dense_ffn_bytes(args, args.inter_dim, tp)
+    ffn = _moe_bytes(args, tp, routed_split) if moe else _dense_ffn_bytes(args, args.inter_dim, tp)
     return 4 * hidden + attention + ffn  # the block input, norm inputs and outputs
 
 
@@ -271,13 +275,14 @@ def _dense_ffn_bytes(args: ModelArgs, width: float, tp: int) -> float:
     return 2 * tensors * width / tp
 
 
-def _moe_bytes(args: ModelArgs, tp: int) -> float:
-    """Router scores (fp32), each routed copy's input, expert intermediates and output, times
-    the routing headroom; the shared experts like a dense FFN split over tp."""
+def _moe_bytes(args: ModelArgs, tp: int, routed_split: int) -> float:
+    """Router scores (fp32, gathered over tp for the balance loss), each routed copy's input,
+    expert intermediates and output, times the routing headroom, for this rank's share of the
+    tokens (1 / routed_split); the shared experts like a dense FFN split over tp."""
     k = args.num_activated_experts
     routed = (
         k * ROUTING_HEADROOM * (2 * 2 * args.dim + _dense_ffn_bytes(args, args.moe_inter_dim, 1))
-    )
+    ) / routed_split
     shared = _dense_ffn_bytes(args, args.num_shared_experts * args.moe_inter_dim, tp)
     return 4 * args.num_routed_experts + routed + shared
 

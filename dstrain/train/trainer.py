@@ -30,6 +30,7 @@ from dstrain.metrics.sinks import Sink
 from dstrain.model.flops import param_counts, training_flops_per_token
 from dstrain.parallel.distributed import env_int, init_distributed
 from dstrain.parallel.expert_parallel import reduce_expert_grads, scale_expert_grads
+from dstrain.parallel.moe_tokens import expert_grad_scale, reduce_split_grads
 from dstrain.parallel.once import once_per_cache
 from dstrain.parallel.parallelize import experts_use_fsdp
 from dstrain.train.checkpointing import CpuRng, SchedulePosition, TrainCheckpoints
@@ -124,13 +125,16 @@ class Trainer:
             torch.use_deterministic_algorithms(True, warn_only=True)
 
     def _finish_grads(self) -> None:
-        """Each rank's expert gradient is dp x (its ep group's tokens, every tp copy of them):
-        summed over the ranks holding the same experts (edp) and divided by dp x tp, it is the
-        one-process gradient."""
+        """Each rank's expert gradient is dp x (its ep group's tokens, and every tp copy of them
+        under moe_tp = repeat): summed over the ranks holding the same experts (edp) and divided
+        by dp (x tp), it is the one-process gradient. Under moe_tp = split_tokens the routers'
+        (and unsharded experts') gradients hold each tp rank's rows only: summed over tp."""
+        if self.dims.tp > 1 and self.config.parallel.moe_tp == "split_tokens":
+            reduce_split_grads(self.model, self.meshes["tp"].get_group())
         if self.dims.ep == 1:
             return
         edp = self.meshes["edp"]
-        scale = 1.0 / (self.dims.dp * self.dims.tp)
+        scale = expert_grad_scale(self.dims.dp, self.dims.tp, self.config.parallel.moe_tp)
         if experts_use_fsdp(self.config, self.dims):
             # FSDP already reduce-scattered them as an average over edp: undo the division.
             scale_expert_grads(self.model, edp.size() * scale)

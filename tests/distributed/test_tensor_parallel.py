@@ -17,7 +17,7 @@ from tests.distributed.workers.tensor_parallel import cases
 pytestmark = pytest.mark.slow
 
 TP2_CASES = list(cases(2))
-TP4_CASES = ["sp"]
+TP4_CASES = ["sp", "sp_split"]
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +70,19 @@ def test_attention_projections_are_sharded(runs, tp):
     for rank in runs[tp]:
         sharding = rank["sharding"]
         assert sharding["local_rows"] == {n: r // tp for n, r in sharding["full_rows"].items()}
+
+
+@pytest.mark.parametrize("tp,case", [(tp, c) for tp, c in ALL if "split" in c])
+def test_split_tokens_give_each_rank_its_share_of_the_routed_rows(runs, tp, case):
+    # moe_tp = split_tokens: the routed experts see each token once over the tp ranks, instead
+    # of every token on every rank: torch.chunk's shares (4 + 3 rows of 7 tokens; the MTP
+    # blocks' S - 1 tokens are uneven too).
+    rows = [rank[case]["expert_rows"] for rank in runs[tp]]
+    reference = runs[tp][0][case]["ref_expert_rows"]
+    assert sum(rows) == reference, (rows, reference)
+    assert max(rows) - min(rows) <= 0.25 * reference / tp, (rows, reference)
+    for name in (c for c in ALL if c[0] == tp and "split" not in c[1]):
+        assert runs[tp][0][name[1]]["expert_rows"] == runs[tp][0][name[1]]["ref_expert_rows"]
 
 
 def test_heads_that_do_not_divide_are_refused(runs):

@@ -188,10 +188,12 @@ def test_tokens_per_expert_counts_every_assignment_and_accumulates():
     args = _variant()
     router, x = _router(args), _x(args)
     _, experts_TK, _ = router(x)
+    assert router.tokens_per_expert.sum() == 0  # the MoE counts, on all of its tokens
+    router.count(experts_TK)
     expected = torch.bincount(experts_TK.flatten(), minlength=8).float()
     assert torch.equal(router.tokens_per_expert, expected)
     assert router.tokens_per_expert.sum() == T * args.num_activated_experts
-    router(x)
+    router.count(experts_TK)
     assert torch.equal(router.tokens_per_expert, 2 * expected)
 
 
