@@ -113,6 +113,13 @@ class ParallelConfig(Section):
         description="Pipeline schedule from torch.distributed.pipelining. zbv and dualpipev are "
         "V-shaped: exactly 2 stages per rank.",
     )
+    pp_overlap: bool | None = Field(
+        None,
+        description="Overlap DualPipeV's paired forward and backward chunks (OVERLAP_F_B): each "
+        "chunk's collectives (EP all-to-alls, TP) run while the other computes. None = on "
+        "where the schedule has such pairs (dualpipev); true with another schedule does "
+        "nothing (a check warning); false = run the pairs one after the other.",
+    )
     num_virtual_stages: int = Field(
         1,
         ge=1,

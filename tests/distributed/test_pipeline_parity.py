@@ -16,7 +16,7 @@ import pytest
 from dstrain.config.load import load_config
 from dstrain.train.trainer import Trainer
 from tests.distributed.harness import run_ranks
-from tests.distributed.test_parity_matrix import _check, setup  # noqa: F401 (fixture)
+from tests.distributed.test_parity_matrix import _check, _losses, setup  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +33,12 @@ TWO_RANKS = {
         "parallel.pp=2",
         "parallel.pp_schedule=dualpipev",
         "parallel.num_virtual_stages=2",
+    ],
+    "pp2_dualpipev_sequential": [
+        "parallel.pp=2",
+        "parallel.pp_schedule=dualpipev",
+        "parallel.num_virtual_stages=2",
+        "parallel.pp_overlap=false",
     ],
 }
 FOUR_RANKS = {
@@ -56,6 +62,26 @@ FOUR_RANKS = {
         "parallel.pp_schedule=zbv",
         "parallel.num_virtual_stages=2",
     ],
+    "pp2_dp2_zero1_dualpipev_sequential": [
+        "parallel.pp=2",
+        "parallel.dp_shard=2",
+        "parallel.ep=2",
+        "parallel.zero_stage=1",
+        "parallel.pp_schedule=dualpipev",
+        "parallel.num_virtual_stages=2",
+        "train.micro_batch_size=2",
+        "parallel.pp_overlap=false",
+    ],
+    "pp2_dp2_dualpipev_ac": [  # the overlap with activation checkpointing (it composes)
+        "parallel.pp=2",
+        "parallel.dp_shard=2",
+        "parallel.ep=2",
+        "parallel.zero_stage=1",
+        "parallel.pp_schedule=dualpipev",
+        "parallel.num_virtual_stages=2",
+        "train.micro_batch_size=2",
+        "train.activation_checkpoint=full",
+    ],
     "pp2_tp2_sp": ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
     "pp2_ep2": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2"],
 }
@@ -64,17 +90,33 @@ FOUR_RANKS = {
 def test_every_schedule_at_pp2_matches_one_process(setup):  # noqa: F811
     root, common, reference = setup
     spec = {"common": common, "layouts": TWO_RANKS}
-    run_ranks(2, "train_layouts", root / "pp2", json.dumps(spec), timeout=600)
+    ranks = run_ranks(2, "train_layouts", root / "pp2", json.dumps(spec), timeout=600)
     for name in TWO_RANKS:
         _check(root, name, reference, weights_dir=root / "pp2")
+    _check_overlap(root, ranks, "pp2_dualpipev", with_collectives=False)
+
+
+def _check_overlap(root, ranks: list[dict], name: str, *, with_collectives: bool) -> None:
+    """DualPipeV's OVERLAP_F_B pairs ran overlapped (handing over at the collectives' waits when
+    the chunks have any), the `_sequential` twin ran none, and their losses agree to 1e-6."""
+    for rank in ranks:
+        assert rank[name]["overlapped_pairs"] > 0, rank[name]
+        assert (rank[name]["hand_overs"] > 0) == with_collectives, rank[name]
+        assert rank[f"{name}_sequential"]["overlapped_pairs"] == 0
+    overlapped, sequential = _losses(root, name), _losses(root, f"{name}_sequential")
+    worst = max(abs(a - b) / abs(b) for a, b in zip(overlapped, sequential, strict=True))
+    print(f"overlap {name}: max loss rel diff to sequential {worst:.1e}")
+    assert worst <= 1e-6, (name, worst)
 
 
 def test_pp4_and_pp_with_dp_tp_ep_match_one_process(setup):  # noqa: F811
     root, common, reference = setup
     spec = {"common": common, "layouts": FOUR_RANKS}
-    run_ranks(4, "train_layouts", root / "pp4", json.dumps(spec), timeout=900)
+    ranks = run_ranks(4, "train_layouts", root / "pp4", json.dumps(spec), timeout=900)
     for name in FOUR_RANKS:
         _check(root, name, reference, weights_dir=root / "pp4")
+    _check_overlap(root, ranks, "pp2_dp2_zero1_dualpipev", with_collectives=True)
+    assert all(rank["pp2_dp2_dualpipev_ac"]["hand_overs"] > 0 for rank in ranks)
 
 
 # pp4 with 2 stages per rank needs 8 layers, and DualPipeV 2 x pp = 8 micro-batches.
@@ -90,6 +132,12 @@ FOUR_RANKS_8_STAGES = {
         "parallel.pp_schedule=dualpipev",
         "parallel.num_virtual_stages=2",
     ],
+    "pp4_dualpipev_sequential": [
+        "parallel.pp=4",
+        "parallel.pp_schedule=dualpipev",
+        "parallel.num_virtual_stages=2",
+        "parallel.pp_overlap=false",
+    ],
 }
 
 
@@ -100,6 +148,7 @@ def test_two_stages_per_rank_at_pp4_match_one_process(setup):  # noqa: F811
     reference.train()
     weights = reference.model.state_dict()
     spec = {"common": eight, "layouts": FOUR_RANKS_8_STAGES}
-    run_ranks(4, "train_layouts", root / "pp4v", json.dumps(spec), timeout=900)
+    ranks = run_ranks(4, "train_layouts", root / "pp4v", json.dumps(spec), timeout=900)
     for name in FOUR_RANKS_8_STAGES:
         _check(root, name, weights, weights_dir=root / "pp4v", reference="reference8")
+    _check_overlap(root, ranks, "pp4_dualpipev", with_collectives=False)

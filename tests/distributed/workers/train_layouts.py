@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from dstrain.config.load import load_config
 from dstrain.metrics.processor import Window
+from dstrain.parallel.pipeline_overlap import COUNTS as OVERLAP
 from dstrain.train.trainer import Trainer
 from tests.distributed.harness import worker_main
 
@@ -81,11 +82,14 @@ def train_all(out_dir):
             done[name] = cut_short(trainer, spec["stop_at"])
             continue
         steps = record_steps(trainer)
+        pairs, hand_overs = OVERLAP["pairs"], OVERLAP["hand_overs"]
         summary = trainer.train()
         state = full_weights(trainer)
         if dist.get_rank() == 0:
             torch.save(state, out_dir / f"{name}.pt")
         done[name] = {"loss": summary.final_loss, "steps": steps}
+        done[name]["overlapped_pairs"] = OVERLAP["pairs"] - pairs
+        done[name]["hand_overs"] = OVERLAP["hand_overs"] - hand_overs
         if trainer.init_from is not None:
             done[name]["init_from_read"] = trainer.init_from.bytes_read
             done[name]["init_from_total"] = trainer.init_from.total_bytes
