@@ -2,8 +2,9 @@
 
 argv: OUT_DIR ITERS WARMUP. Writes OUT_DIR/rank<r>.json: per case, the routed rows this rank's
 local experts received per micro-batch, the bytes the rank saved for backward in the MoE, the
-forward EP all-to-all payload it sends (dispatch and combine of its token copies), and per timed iteration (forward + backward) its wall seconds and
-the seconds it sat blocked on the ep axis (the trainer's communication timer).
+forward EP all-to-all payload it sends (dispatch and combine of its token copies), and per timed
+iteration (forward + backward) its wall seconds and the seconds it sat blocked on the ep axis
+(the trainer's communication timer).
 """
 
 import json

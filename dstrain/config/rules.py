@@ -138,6 +138,26 @@ def rule_pipeline_shape(t: CheckTarget) -> Iterable[Finding]:
         )
 
 
+# Schedules whose order pairs a forward chunk with a backward chunk (upstream's OVERLAP_F_B):
+# what `parallel.pp_overlap` overlaps (`parallel/pipeline_overlap.py`, which checks the order).
+OVERLAPPED_SCHEDULES = ("dualpipev",)
+
+
+def rule_pipeline_overlap(t: CheckTarget) -> Iterable[Finding]:
+    """pp_overlap = true asks for something only DualPipeV has."""
+    p = t.config.parallel
+    if p.pp_overlap is not True:
+        return
+    if p.pp == 1 or p.pp_schedule not in OVERLAPPED_SCHEDULES:
+        what = "pp = 1" if p.pp == 1 else f"pp_schedule = {p.pp_schedule}"
+        yield warning(
+            "parallel.pp_overlap",
+            f"pp_overlap = true does nothing with {what}: only dualpipev pairs one micro-batch's "
+            "forward chunk with another's backward chunk (OVERLAP_F_B actions) to overlap",
+            "use pp_schedule = dualpipev with pp > 1, or leave pp_overlap unset",
+        )
+
+
 def rule_pipeline_microbatches(t: CheckTarget) -> Iterable[Finding]:
     """Enough micro-batches for the schedule (upstream raises or hangs otherwise)."""
     p = t.config.parallel
@@ -574,6 +594,7 @@ RULES: list[Rule] = [
     rule_world_size,
     rule_batch,
     rule_pipeline_shape,
+    rule_pipeline_overlap,
     rule_pipeline_microbatches,
     rule_pipeline_layers,
     rule_experts,

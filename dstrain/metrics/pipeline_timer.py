@@ -36,6 +36,10 @@ COMPUTE = KINDS[:5]
 PHASE_OF = {"F": "forward", "L": "forward", "B": "backward", "I": "backward", "W": "backward"}
 HOST = torch.device("cpu")
 _ACTIVE: list["PipelineTimer"] = []  # the timer of the step in flight (one pipeline per process)
+# Seconds each side of an overlapped DualPipeV pair spent waiting for its turn while the other
+# computed (`parallel/pipeline_overlap` adds to it): not this side's compute, so the timed action
+# of that side leaves it out, and a pair counts its wall time once, not twice.
+TURN_WAITS = {"forward": 0.0, "backward": 0.0}
 
 
 class PipelineTimer:
@@ -142,11 +146,15 @@ class PipelineTimer:
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
+            waited = dict(TURN_WAITS)
             try:
                 return fn(*args, **kwargs)
             finally:
                 kind = kind_of(*args, **kwargs)
                 seconds = time.perf_counter() - start
+                if kind in PHASE_OF:
+                    side = PHASE_OF[kind]
+                    seconds -= TURN_WAITS[side] - waited[side]
                 self.window[slot[kind]] += seconds
                 self.window[slot[kind] + 1] += 1
                 if self.phases is not None and kind in PHASE_OF:

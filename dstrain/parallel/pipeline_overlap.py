@@ -39,12 +39,15 @@ sub-action, redone here because the runtime's `_perform_action` is a closure.
 """
 
 import threading
+import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.distributed.pipelining.schedules as schedules
 from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+from dstrain.metrics.pipeline_timer import TURN_WAITS
 
 FORWARD, BACKWARD = "forward", "backward"
 _OTHER = {FORWARD: BACKWARD, BACKWARD: FORWARD}
@@ -69,7 +72,7 @@ class Turns:
 
     def begin(self, side: str) -> None:
         with self._cond:
-            self._cond.wait_for(lambda: self._holder == side)
+            self._wait_for_turn(side)
 
     def hand_over(self, side: str) -> None:
         """Give the turn to the other side (unless it is done) and wait to get it back."""
@@ -79,7 +82,12 @@ class Turns:
             self._holder = _OTHER[side]
             self.hand_overs += 1
             self._cond.notify_all()
-            self._cond.wait_for(lambda: self._holder == side)
+            self._wait_for_turn(side)
+
+    def _wait_for_turn(self, side: str) -> None:
+        started = time.perf_counter()
+        self._cond.wait_for(lambda: self._holder == side)
+        TURN_WAITS[side] += time.perf_counter() - started  # the pipeline timer leaves it out
 
     def end(self, side: str) -> None:
         with self._cond:

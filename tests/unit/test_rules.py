@@ -328,3 +328,17 @@ def test_profile_steps_must_be_in_order_and_inside_the_run():
 def test_prometheus_ports_of_every_local_rank_must_exist():
     assert "metrics.prometheus_port" in errors("metrics.prometheus_port=65534", world=8)
     assert errors("metrics.prometheus_port=65528", world=8) == {}  # 65528 + 7 local ranks
+
+
+DUALPIPEV = ("parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.num_virtual_stages=2")
+
+
+def test_pp_overlap_without_overlapped_pairs_warns():
+    assert "parallel.pp_overlap" in warnings("parallel.pp_overlap=true", "parallel.pp=2", world=2)
+    assert "parallel.pp_overlap" in warnings("parallel.pp_overlap=true", world=1)
+    assert "parallel.pp_overlap" not in warnings(*DUALPIPEV, "parallel.pp_overlap=true", world=2)
+    # Unset (auto) and false never warn: auto is on only where the schedule has pairs.
+    assert "parallel.pp_overlap" not in warnings("parallel.pp=2", world=2)
+    assert "parallel.pp_overlap" not in warnings(
+        "parallel.pp_overlap=false", "parallel.pp=2", world=2
+    )
