@@ -295,6 +295,7 @@ def comm_per_step(
     backward_compute_s: float = 0.0,
     attention_compute_s: float = 0.0,
     overlap_compute_s: float = 0.0,
+    shared_forward_s: float = 0.0,
     holds_head: bool = True,
 ) -> CommTimes:
     """Bytes, seconds and exposed seconds per step on one GPU, per axis.
@@ -304,8 +305,10 @@ def comm_per_step(
     routed experts count as dense parameters, as the trainer treats them). The compute times
     (seconds per step on this GPU, 0 = nothing to hide behind) bound the overlaps:
     `forward_compute_s` / `backward_compute_s` hide the data-parallel traffic,
-    `attention_compute_s` the ring-attention exchange, `overlap_compute_s` the expert and
-    pipeline traffic under `dualpipev`. `holds_head`: this rank holds the output head (the last
+    `attention_compute_s` the ring-attention exchange, `overlap_compute_s` (the compute of the
+    chunks that run in DualPipeV's overlapped pairs, `Layout.paired_share`) those chunks' expert
+    traffic, `shared_forward_s` (the shared experts' forward, under `ep_overlap`) the other
+    chunks' forward dispatch. `holds_head`: this rank holds the output head (the last
     pipeline stage), whose logits are all-gathered over tp. Each axis's model, with its source,
     is in its function below and in docs/planner.md.
     """
@@ -318,6 +321,7 @@ def comm_per_step(
     hide = consts.overlap  # the compute that really hides communication
     forward_compute_s, backward_compute_s = hide * forward_compute_s, hide * backward_compute_s
     attention_compute_s, overlap_compute_s = hide * attention_compute_s, hide * overlap_compute_s
+    shared_forward_s *= hide
     ctx = _Ctx(
         layout,
         cluster,
@@ -331,8 +335,8 @@ def comm_per_step(
         # Without expert parallelism the experts are ordinary parameters of DDP/FSDP over dp.
         dense_params_per_rank += expert_params_per_rank
         expert_params_per_rank = 0.0
-    ep = _expert_parallel(ctx, args, moe_layers_per_rank, overlap_compute_s)
-    pp = _pipeline(ctx, args, max(0.0, overlap_compute_s - ep.seconds))
+    ep = _expert_parallel(ctx, args, moe_layers_per_rank, overlap_compute_s, shared_forward_s)
+    pp = _pipeline(ctx, args)
     dp, fwd_left, bwd_left = _data_parallel(
         ctx, "dp", dense_params_per_rank, layers_per_rank, forward_compute_s, backward_compute_s
     )
@@ -381,42 +385,51 @@ def _tensor_parallel(ctx: _Ctx, args: ModelArgs, layers: int, holds_head: bool) 
 
 
 def _expert_parallel(
-    ctx: _Ctx, args: ModelArgs, moe_layers: int, overlap_compute_s: float
+    ctx: _Ctx,
+    args: ModelArgs,
+    moe_layers: int,
+    overlap_compute_s: float,
+    shared_forward_s: float,
 ) -> AxisComm:
     """GShard (Lepikhin et al. 2020) / Switch routing as in the DeepSeek-V3 report (Sec. 3.2):
     per MoE layer per micro-batch a dispatch and a combine all-to-all in forward and the same
     two in backward (two more under full recompute), each of the token copies this rank routes:
     tokens * top_k * dim * 2 bytes, over tp under moe_tp = split_tokens (each tp rank routes
-    its share; under repeat every tp rank routes the full set). Exposed,
-    except under `dualpipev`, where DualPipe runs one micro-batch's all-to-alls under another's
-    compute (DeepSeek-V3 report, Sec. 3.2.1): exposed = max(0, time - overlap_compute_s)."""
+    its share; under repeat every tp rank routes the full set).
+
+    Exposed: what the trainer overlaps, no more (`parallel.pp_overlap`, `parallel.ep_overlap`).
+    The chunks in DualPipeV's overlapped pairs (`Layout.paired_share`) hide their all-to-alls
+    behind the other chunk's compute, up to `overlap_compute_s`; of the other chunks, the
+    forward dispatch (a quarter of the calls, a sixth under full recompute) hides behind the
+    shared experts' forward (`shared_forward_s`) with ep_overlap; the rest is exposed."""
     if ctx.layout.ep == 1 or moe_layers == 0:
         return AxisComm(group_size=ctx.layout.ep)
     size = ctx.tokens / ctx.layout.routed_split * args.num_activated_experts * args.dim
     size *= ACTIVATION_BYTES
     calls = (6 if ctx.recompute_full else 4) * moe_layers * ctx.microbatches
     out = ctx.axis("ep", "all_to_all", calls * size, calls)
-    if ctx.layout.schedule == "dualpipev":
-        out.exposed_seconds = max(0.0, out.seconds - overlap_compute_s)
+    paired = ctx.layout.paired_share
+    hidden = min(paired * out.seconds, overlap_compute_s)
+    if ctx.layout.ep_overlap:
+        dispatch = (1 - paired) * out.seconds * moe_layers * ctx.microbatches / calls
+        hidden += min(dispatch, (1 - paired) * shared_forward_s)
+    out.exposed_seconds = max(0.0, out.seconds - hidden)
     return out
 
 
-def _pipeline(ctx: _Ctx, args: ModelArgs, overlap_left_s: float) -> AxisComm:
+def _pipeline(ctx: _Ctx, args: ModelArgs) -> AxisComm:
     """Narayanan et al. 2021 (Sec. 2.2): per micro-batch and stage chunk this rank holds, one
     p2p send of the [tokens, dim] activations forward and one of their gradients backward
-    (v chunks per rank: `stages_per_rank`). All of it is counted exposed: a stage waits for its
-    input before it computes (torch.distributed.pipelining posts each receive right before the
-    action that needs it); the p-1 extra hops of fill and drain are not counted. Under
-    `dualpipev` DualPipe hides PP traffic as well as EP's (DeepSeek-V3 report, Sec. 3.2.1): it
-    hides in what the all-to-alls left of `overlap_compute_s`."""
+    (v chunks per rank: `stages_per_rank`). All of it is counted exposed, under every schedule:
+    a stage waits for its input before it computes (torch.distributed.pipelining posts each
+    receive right before the action that needs it, and our DualPipeV pairs wait for both
+    chunks' receives before they start); the p-1 extra hops of fill and drain are not counted.
+    """
     layout = ctx.layout
     if layout.pp == 1:
         return AxisComm(group_size=1)
     hops = 2 * stages_per_rank(layout.schedule, layout.virtual_stages) * ctx.microbatches
-    out = ctx.axis("pp", "p2p", hops * ctx.tokens * args.dim * ACTIVATION_BYTES, hops)
-    if layout.schedule == "dualpipev":
-        out.exposed_seconds = max(0.0, out.seconds - overlap_left_s)
-    return out
+    return ctx.axis("pp", "p2p", hops * ctx.tokens * args.dim * ACTIVATION_BYTES, hops)
 
 
 def _kv_width(args: ModelArgs, tp: int) -> int:

@@ -49,11 +49,13 @@ class ComputeConstants:
 @dataclass(frozen=True)
 class StageTimes:
     """Seconds of one micro-batch on one rank: forward, input-gradient and weight-gradient
-    backward (recompute included in the input-gradient part)."""
+    backward (recompute included in the input-gradient part); `shared_forward`: of the forward,
+    the shared experts' (what `parallel.ep_overlap` runs under the dispatch all-to-all)."""
 
     forward: float
     backward: float
     weight: float
+    shared_forward: float = 0.0
 
     @property
     def total(self) -> float:
@@ -112,9 +114,12 @@ def _stage_times(
         attention += head_attention
     gemm_forward = forward - attention
     recompute = forward if layout.recompute != "none" else 0.0
+    width = args.num_shared_experts * args.moe_inter_dim
+    shared = shape.moe_layers * _swiglu(args, chip, tokens, width, layout.tp) if width else 0.0
     # Backward: one more matmul of the forward's size each for input and weight gradients;
     # attention's backward (input side) at 2.5x its forward.
-    return StageTimes(forward, gemm_forward + 2.5 * attention + recompute, gemm_forward)
+    backward = gemm_forward + 2.5 * attention + recompute
+    return StageTimes(forward, backward, gemm_forward, shared)
 
 
 class _Chip:

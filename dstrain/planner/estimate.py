@@ -141,7 +141,8 @@ def add_time(result: Estimate, args: ModelArgs, cluster: Cluster, consts: Consta
         forward_compute_s=m * t.forward,
         backward_compute_s=m * (t.backward + t.weight),
         attention_compute_s=0.0,
-        overlap_compute_s=m * t.total if layout.schedule == "dualpipev" else 0.0,
+        overlap_compute_s=m * t.total * layout.paired_share,
+        shared_forward_s=m * t.shared_forward,
         holds_head=shape.has_head,
     )
     in_stage = sum(getattr(result.comm, axis).exposed_seconds for axis in IN_STAGE)

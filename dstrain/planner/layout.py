@@ -35,6 +35,8 @@ class Layout:
     offload: bool = False  # optimizer states (and fp32 master weights) in host memory
     adam_moments: str = "fp32"  # or "bf16": Adam's two moments in 16 bits
     moe_tp: str = "split_tokens"  # or "repeat": every tp rank routes every token (the trainer's)
+    ep_overlap: bool = True  # shared experts run while the dispatch is in flight (parallel.*)
+    pp_overlap: bool | None = None  # DualPipeV's OVERLAP_F_B pairs overlapped (None = auto: on)
 
     @property
     def world(self) -> int:
@@ -57,6 +59,17 @@ class Layout:
         """Ranks the routed work of one micro-batch's tokens is split over within a tp group:
         tp under `moe_tp = split_tokens` (each routes its share), 1 under `repeat`."""
         return self.tp if self.moe_tp == "split_tokens" else 1
+
+    @property
+    def paired_share(self) -> float:
+        """Share of this rank's chunks that run in DualPipeV's overlapped forward/backward pairs
+        (`parallel/pipeline_overlap.py`): 0 unless dualpipev with pp_overlap on. Upstream's order
+        gives pipeline rank r 2m - (3pp - 1 - min(r, pp - 2)) pairs among its 2m forward chunks
+        (checked against torch's order in tests); the first rank, with the fewest, is taken."""
+        if self.schedule != "dualpipev" or self.pp == 1 or self.pp_overlap is False:
+            return 0.0
+        chunks = 2 * self.microbatches
+        return max(0, chunks - (3 * self.pp - 1)) / chunks
 
     @property
     def microbatches(self) -> int:
@@ -134,4 +147,6 @@ def layout_from_config(config: Any, world: int) -> Layout:
         sequence_parallel=p.sequence_parallel,
         offload=p.offload_optimizer,
         moe_tp=p.moe_tp,
+        ep_overlap=p.ep_overlap,
+        pp_overlap=p.pp_overlap,
     )

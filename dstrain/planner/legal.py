@@ -29,6 +29,8 @@ def to_config(
                 "zero_stage": layout.zero,
                 "sequence_parallel": layout.sequence_parallel,
                 "moe_tp": layout.moe_tp,
+                "ep_overlap": layout.ep_overlap,
+                "pp_overlap": layout.pp_overlap,
                 "offload_optimizer": layout.offload,
                 "pp_schedule": layout.schedule,
                 "num_virtual_stages": _virtual(layout),

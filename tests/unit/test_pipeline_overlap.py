@@ -105,3 +105,16 @@ def test_the_schedules_with_overlapped_pairs_are_the_ones_check_names(name):
     ops = get_schedule_ops(UPSTREAM_NAMES[name], 2, 8, 2)
     paired = any(op is not None and op.computation_type == OVERLAP_F_B for r in ops for op in r)
     assert paired == (name in OVERLAPPED_SCHEDULES)
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (2, 16), (4, 8), (4, 12), (8, 16)])
+def test_the_planners_paired_share_is_upstreams_order(pp, m):
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+    from dstrain.planner.layout import Layout
+
+    ops = get_schedule_ops("DualPipeV", pp, m, 2)
+    pairs = [sum(op is not None and op.computation_type == OVERLAP_F_B for op in r) for r in ops]
+    layout = Layout(dp=1, pp=pp, micro_batch=1, global_batch=m, schedule="dualpipev")
+    assert layout.paired_share == min(pairs) / (2 * m)

@@ -158,17 +158,41 @@ def test_ep_bytes_for_deepseek_v3():
     assert ep.exposed_seconds == ep.seconds
 
 
-def test_dualpipev_hides_ep_traffic_behind_enough_compute():
-    base = Layout(dp=64, ep=64, pp=2, micro_batch=1, global_batch=64, seq_len=4096)
+def test_dualpipev_pairs_hide_only_their_own_ep_traffic_and_no_pp_traffic():
+    # 16 micro-batches at pp2: 27 of each rank's 32 chunks run in overlapped pairs.
+    base = Layout(dp=64, ep=64, pp=2, micro_batch=1, global_batch=1024, seq_len=4096)
     dual = base.with_(schedule="dualpipev")
+    assert dual.paired_share == pytest.approx(27 / 32)
     exposed = step(V3, dual, moe_layers_per_rank=1).ep
     assert exposed.exposed_seconds == exposed.seconds  # no compute to hide behind
     hidden = step(V3, dual, moe_layers_per_rank=1, overlap_compute_s=100.0)
-    assert hidden.ep.exposed_seconds == 0.0 and hidden.pp.exposed_seconds == 0.0
+    assert hidden.ep.exposed_seconds == pytest.approx(exposed.seconds * 5 / 32)
+    assert hidden.pp.exposed_seconds == hidden.pp.seconds  # p2p runs outside the pairs
     half = step(V3, dual, moe_layers_per_rank=1, overlap_compute_s=exposed.seconds / 2).ep
     assert half.exposed_seconds == pytest.approx(exposed.seconds / 2)
+    off = dual.with_(pp_overlap=False)
+    assert off.paired_share == 0.0
+    sequential = step(V3, off, moe_layers_per_rank=1, overlap_compute_s=100.0).ep
+    assert sequential.exposed_seconds == sequential.seconds
     plain = step(V3, base, moe_layers_per_rank=1, overlap_compute_s=100.0).ep
-    assert plain.exposed_seconds == plain.seconds  # 1f1b overlaps nothing
+    assert plain.exposed_seconds == plain.seconds  # 1f1b has no pairs
+
+
+def test_shared_experts_hide_the_forward_dispatch_only_with_ep_overlap():
+    layout = Layout(dp=64, ep=64, micro_batch=1, global_batch=64, seq_len=4096)
+    ep = step(V3, layout, moe_layers_per_rank=1, shared_forward_s=100.0).ep
+    assert ep.exposed_seconds == pytest.approx(ep.seconds * 3 / 4)  # 1 of 4 all-to-alls
+    short = step(V3, layout, moe_layers_per_rank=1, shared_forward_s=ep.seconds / 8).ep
+    assert short.exposed_seconds == pytest.approx(ep.seconds * 7 / 8)
+    off = step(V3, layout.with_(ep_overlap=False), moe_layers_per_rank=1, shared_forward_s=100.0)
+    assert off.ep.exposed_seconds == off.ep.seconds
+
+
+def test_split_tokens_halve_the_ep_bytes_at_tp2():
+    layout = Layout(dp=32, tp=2, ep=64, micro_batch=1, global_batch=64, seq_len=4096)
+    split = step(V3, layout, moe_layers_per_rank=1).ep
+    repeat = step(V3, layout.with_(moe_tp="repeat"), moe_layers_per_rank=1).ep
+    assert split.bytes == pytest.approx(repeat.bytes / 2)
 
 
 def test_zero3_moves_one_and_a_half_times_the_zero2_volume():
