@@ -26,6 +26,8 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
+from cpu import cpu_label
+
 LAYOUT = [
     "parallel.pp=2",
     "parallel.dp_shard=2",
@@ -59,6 +61,7 @@ def main() -> None:
         root = Path(tmp)
         corpus = _corpus(root)
         rows = {"off": [], "on": []}
+        print(f"4 ranks on {cpu_label()}", flush=True)
         for round_ in range(a.rounds):
             for state in ("off", "on"):
                 name = f"{state}{round_}"

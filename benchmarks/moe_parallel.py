@@ -24,11 +24,11 @@ Usage: python benchmarks/moe_parallel.py [--iters N] [--warmup W]   (about a min
 
 import argparse
 import json
-import platform
 import statistics
 import tempfile
 from pathlib import Path
 
+from cpu import cpu_label
 from launch_workers import torchrun_workers
 
 HERE = Path(__file__).resolve().parent
@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations first")
     a = parser.parse_args()
     with tempfile.TemporaryDirectory() as out:
-        print(f"running 2 ranks on {platform.processor() or platform.machine()} ...", flush=True)
+        print(f"running 2 ranks on {cpu_label()} ...", flush=True)
         torchrun_workers(
             2, HERE / "moe_parallel_worker.py", out, str(a.iters), str(a.warmup), what="moe"
         )

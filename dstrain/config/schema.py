@@ -117,8 +117,9 @@ class ParallelConfig(Section):
         None,
         description="Overlap DualPipeV's paired forward and backward chunks (OVERLAP_F_B): each "
         "chunk's collectives (EP all-to-alls, TP) run while the other computes. None = on "
-        "where the schedule has such pairs (dualpipev); true with another schedule does "
-        "nothing (a check warning); false = run the pairs one after the other.",
+        "GPUs (NCCL's own stream) and off on CPUs (gloo shares the cores: no gain measured); "
+        "true with a schedule other than dualpipev does nothing (a check warning); false = "
+        "run the pairs one after the other.",
     )
     num_virtual_stages: int = Field(
         1,

@@ -44,7 +44,7 @@ from dstrain.model.hf_load import HFCheckpoint
 from dstrain.model.transformer import Transformer
 from dstrain.parallel.mesh import Meshes
 from dstrain.parallel.parallelize import parallelize_model
-from dstrain.parallel.pipeline_overlap import has_overlap_actions, register_overlap
+from dstrain.parallel.pipeline_overlap import has_overlap_actions, overlap_pairs, register_overlap
 from dstrain.planner.stages import V_SHAPED, balanced_split, split_layers, stage_indices
 
 SCHEDULES = {
@@ -252,7 +252,7 @@ def build_pipeline(
             exit_code=1,
         ) from exc
     _quiet_metadata_inference(schedule, loss, union, stages)
-    if p.pp_overlap is not False and has_overlap_actions(schedule):
+    if overlap_pairs(p.pp_overlap, device) and has_overlap_actions(schedule):
         register_overlap(schedule, device or torch.device("meta"))
     holders = [0] * num_stages
     for r in range(pp):

@@ -101,6 +101,16 @@ def register_overlap(schedule: schedules._PipelineScheduleRuntime, device: torch
     schedule.register_custom_function(OVERLAP_F_B, _overlap_function(device))
 
 
+def overlap_pairs(setting: bool | None, device: torch.device | None) -> bool:
+    """`parallel.pp_overlap`: true / false as set; unset (auto) overlaps on CUDA, where NCCL
+    runs the collectives on a stream of their own, and not on CPU, where gloo's threads share
+    the cores the ranks compute on and `benchmarks/dualpipe_overlap.py` measured no gain (step
+    time 1.03x with overlap, exposed EP 0.86x: 4 ranks on 2 cores have no idle core)."""
+    if setting is not None:
+        return setting
+    return device is not None and device.type == "cuda"
+
+
 def has_overlap_actions(schedule: object) -> bool:
     """Whether the schedule's order holds any OVERLAP_F_B action (DualPipeV's steady state)."""
     order = getattr(schedule, "pipeline_order", None) or {}

@@ -36,7 +36,7 @@ class Layout:
     adam_moments: str = "fp32"  # or "bf16": Adam's two moments in 16 bits
     moe_tp: str = "split_tokens"  # or "repeat": every tp rank routes every token (the trainer's)
     ep_overlap: bool = True  # shared experts run while the dispatch is in flight (parallel.*)
-    pp_overlap: bool | None = None  # DualPipeV's OVERLAP_F_B pairs overlapped (None = auto: on)
+    pp_overlap: bool | None = None  # DualPipeV's OVERLAP_F_B pairs overlapped (None: auto, on GPUs)
 
     @property
     def world(self) -> int:

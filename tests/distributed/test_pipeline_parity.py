@@ -33,6 +33,7 @@ TWO_RANKS = {
         "parallel.pp=2",
         "parallel.pp_schedule=dualpipev",
         "parallel.num_virtual_stages=2",
+        "parallel.pp_overlap=true",  # auto is off on CPU
     ],
     "pp2_dualpipev_sequential": [
         "parallel.pp=2",
@@ -54,6 +55,7 @@ FOUR_RANKS = {
         "parallel.pp_schedule=dualpipev",
         "parallel.num_virtual_stages=2",
         "train.micro_batch_size=2",
+        "parallel.pp_overlap=true",
     ],
     "pp2_dp2_zero2_zbv": [
         "parallel.pp=2",
@@ -81,6 +83,7 @@ FOUR_RANKS = {
         "parallel.num_virtual_stages=2",
         "train.micro_batch_size=2",
         "train.activation_checkpoint=full",
+        "parallel.pp_overlap=true",
     ],
     "pp2_tp2_sp": ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
     "pp2_ep2": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2"],
@@ -131,6 +134,7 @@ FOUR_RANKS_8_STAGES = {
         "parallel.pp=4",
         "parallel.pp_schedule=dualpipev",
         "parallel.num_virtual_stages=2",
+        "parallel.pp_overlap=true",
     ],
     "pp4_dualpipev_sequential": [
         "parallel.pp=4",

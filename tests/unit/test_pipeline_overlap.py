@@ -118,3 +118,12 @@ def test_the_planners_paired_share_is_upstreams_order(pp, m):
     pairs = [sum(op is not None and op.computation_type == OVERLAP_F_B for op in r) for r in ops]
     layout = Layout(dp=1, pp=pp, micro_batch=1, global_batch=m, schedule="dualpipev")
     assert layout.paired_share == min(pairs) / (2 * m)
+
+
+def test_auto_overlaps_on_cuda_only_and_an_explicit_setting_wins():
+    from dstrain.parallel.pipeline_overlap import overlap_pairs
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert overlap_pairs(None, cuda) and not overlap_pairs(None, cpu)
+    assert not overlap_pairs(None, None)  # a dry run on meta: nothing to run
+    assert overlap_pairs(True, cpu) and not overlap_pairs(False, cuda)
