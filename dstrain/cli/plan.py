@@ -105,8 +105,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     layout.add_argument(
         "--adam-moments",
         choices=("fp32", "bf16"),
-        default="fp32",
-        help="dtype of Adam's two moments (bf16 as DeepSeek-V3; the trainer keeps fp32)",
+        default=None,
+        help="dtype of Adam's two moments, as the trainer's optim.moments (default: bf16 under "
+        "--precision fp8, as DeepSeek-V3, else fp32)",
     )
     parser.add_argument(
         "--calibrate",
@@ -188,7 +189,7 @@ def _layout(args: argparse.Namespace, num_gpus: int):
         precision=args.precision,
         sequence_parallel=given.get("sequence_parallel", degrees["tp"] > 1),
         offload=args.offload,
-        adam_moments=args.adam_moments,
+        adam_moments=args.adam_moments or ("bf16" if args.precision == "fp8" else "fp32"),
     )
     fixed = set(given) | ({"cp"} if args.cp else set())
     return base, fixed | {"cp", "offload", "precision"}

@@ -235,6 +235,18 @@ class OptimConfig(Section):
     betas: tuple[float, float] = Field((0.9, 0.95), description="Adam betas (beta1, beta2).")
     eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
     weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay (AdamW).")
+    moments: Literal["auto", "fp32", "bf16"] = Field(
+        "auto",
+        description="dtype Adam keeps its two moments in (computed in fp32 either way). auto = "
+        "bf16 under train.precision = fp8 (DeepSeek-V3's low-precision optimizer states), "
+        "else fp32.",
+    )
+
+    def moments_dtype(self, precision: str) -> str:
+        """'fp32' or 'bf16': what `moments` means for a run in `precision`."""
+        if self.moments != "auto":
+            return self.moments
+        return "bf16" if precision == "fp8" else "fp32"
 
 
 class LRConfig(Section):

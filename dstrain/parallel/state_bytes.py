@@ -10,7 +10,8 @@ before FSDP: TP/EP-local), mixed precision meaning bf16 compute weights:
     ZeRO-1 (ZeRO-2 under PP)     4 P_local + w P_gathered   4 P_gathered
     ZeRO-2                       4 P_local + w P_gathered   4 P_local
     ZeRO-3                       4 P_local                  4 P_local   (+ one block in flight)
-    optimizer                    Adam: 8 P_local (two fp32 moments); SGD: 4 P_local
+    optimizer                    Adam: 8 P_local (two fp32 moments; 4 with optim.moments bf16);
+                                 SGD: 4 P_local
 
 w = 2 under bf16 (FSDP2's param_dtype), else 4. FSDP2 keeps the gathered weights from the first
 forward to the last backward when it does not reshard after forward, and accumulates unsharded
@@ -54,6 +55,10 @@ def state_bytes(model: nn.Module, config: DstrainConfig, pp: int) -> StateBytes:
     offload = p.offload_optimizer or p.offload_params
     gathered_width = 2 if config.train.precision in ("bf16", "fp8") else FP32
     moments = 1 if config.optim.name == "sgd" else 2
+    # bytes per moment element: bf16 moments (optim.moments) take 2 of fp32's 4
+    moment_width = 2 if config.optim.moments_dtype(config.train.precision) == "bf16" else FP32
+    if config.optim.name == "sgd":
+        moment_width = FP32  # SGD's momentum is torch's, fp32
     out = StateBytes()
     for name, param in model.named_parameters():
         kind = "expert" if _is_routed_expert(name) else "dense"
@@ -63,12 +68,12 @@ def state_bytes(model: nn.Module, config: DstrainConfig, pp: int) -> StateBytes:
         keeps_gathered = sharded and p.zero_stage in (1, 2)
         defers_sync = sharded and (p.zero_stage == 1 or (p.zero_stage == 2 and pp > 1))
         device_params = gathered_width * gathered if keeps_gathered else 0
-        host_side = FP32 * local * (1 + moments) if sharded and offload else 0
+        host_side = local * (FP32 + moment_width * moments) if sharded and offload else 0
         if host_side:
             out.host += host_side
         else:
             device_params += FP32 * local
-            out.optimizer[kind] += FP32 * moments * local
+            out.optimizer[kind] += moment_width * moments * local
         out.params[kind] += device_params
         grad = FP32 * (gathered if defers_sync else local)
         if not (sharded and offload):

@@ -147,6 +147,7 @@ def layout_from_config(config: Any, world: int) -> Layout:
         sequence_parallel=p.sequence_parallel,
         offload=p.offload_optimizer,
         moe_tp=p.moe_tp,
+        adam_moments=config.optim.moments_dtype(t.precision),
         ep_overlap=p.ep_overlap,
         pp_overlap=p.pp_overlap,
     )

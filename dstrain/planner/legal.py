@@ -42,6 +42,7 @@ def to_config(
                 "precision": layout.precision if layout.precision != "fp32" else "bf16",
                 "activation_checkpoint": layout.recompute,
             },
+            "optim": {"moments": layout.adam_moments},
             "cluster": {
                 "gpu": cluster.gpu.name,
                 "nodes": cluster.nodes,

@@ -56,7 +56,7 @@ def build_runtime(
     model, pipeline = _model(config, args, dims, meshes, batch, device, weights)
     if weights is not None:
         weights.close()
-    optimizer = build_optimizer(model, config.optim)
+    optimizer = build_optimizer(model, config.optim, config.train.precision)
     return Runtime(args, dims, meshes, dp, batch, model, pipeline, optimizer, weights)
 
 
