@@ -95,6 +95,20 @@ def test_a_step_runs_under_fake_tensors_with_expert_parallelism():
     assert report.step.startswith("ran") and report.activation_peak_bytes > 0
 
 
+def test_routed_experts_split_over_tp_on_the_fake_backend_save_less():
+    # 8 ranks: dp4 x tp2 with the experts over ep4 (two dp x tp pairs): the token split's DTensor
+    # redistributions run on fake tensors at full world size, and the step's activation peak
+    # falls below the repeated routing's (the routed copies are half as many per rank).
+    layout = ["parallel.dp_shard=4", "parallel.tp=2", "parallel.ep=4", "parallel.zero_stage=1"]
+    peaks = {}
+    for mode in ("split_tokens", "repeat"):
+        config = _config(None, "train.precision=bf16", f"parallel.moe_tp={mode}", *layout)
+        report = dry_run_rank(config, 8, 5, step=True)
+        assert report.step.startswith("ran"), report.step
+        peaks[mode] = report.activation_peak_bytes
+    assert peaks["split_tokens"] < peaks["repeat"], peaks
+
+
 def test_fp32_experts_cannot_be_traced_and_say_why():
     config = _config(None, "parallel.dp_shard=2")
     report = dry_run_rank(config, 2, 0, step=True)
