@@ -22,11 +22,11 @@ import json
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 from pathlib import Path
 
 from cpu import cpu_label
+from parallel_layouts import make_corpus
 
 LAYOUT = [
     "parallel.pp=2",
@@ -59,7 +59,7 @@ def main() -> None:
     a = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        corpus = _corpus(root)
+        corpus = make_corpus(root)
         rows = {"off": [], "on": []}
         print(f"4 ranks on {cpu_label()}", flush=True)
         for round_ in range(a.rounds):
@@ -78,15 +78,6 @@ def main() -> None:
                 _train(overrides)
                 rows[state].append(_medians(root / "runs" / name / "metrics.jsonl", a.warmup))
     _report(rows)
-
-
-def _corpus(root: Path) -> Path:
-    corpus = root / "corpus"
-    corpus.mkdir()
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for source in sorted((stdlib / "json").glob("*.py")) + sorted((stdlib / "email").glob("*.py")):
-        (corpus / f"{source.parent.name}_{source.stem}.txt").write_text(source.read_text())
-    return corpus
 
 
 def _train(overrides: list[str]) -> None:

@@ -20,6 +20,7 @@ from tests.distributed.test_parity_matrix import _check, _losses, setup  # noqa:
 
 pytestmark = pytest.mark.slow
 
+DUALPIPEV = ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.num_virtual_stages=2"]
 TWO_RANKS = {
     "pp2_gpipe": ["parallel.pp=2", "parallel.pp_schedule=gpipe"],
     "pp2_1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
@@ -29,34 +30,25 @@ TWO_RANKS = {
         "parallel.num_virtual_stages=2",
     ],
     "pp2_zbv": ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.num_virtual_stages=2"],
-    "pp2_dualpipev": [
-        "parallel.pp=2",
-        "parallel.pp_schedule=dualpipev",
-        "parallel.num_virtual_stages=2",
-        "parallel.pp_overlap=true",  # auto is off on CPU
-    ],
-    "pp2_dualpipev_sequential": [
-        "parallel.pp=2",
-        "parallel.pp_schedule=dualpipev",
-        "parallel.num_virtual_stages=2",
-        "parallel.pp_overlap=false",
-    ],
+    "pp2_dualpipev": [*DUALPIPEV, "parallel.pp_overlap=true"],  # auto is off on CPU
+    "pp2_dualpipev_sequential": [*DUALPIPEV, "parallel.pp_overlap=false"],
 }
+# DeepSeek-V3's layout in small: DualPipeV x EP x ZeRO-1.
+V3_SMALL = [
+    "parallel.pp=2",
+    "parallel.dp_shard=2",
+    "parallel.ep=2",
+    "parallel.zero_stage=1",
+    "parallel.pp_schedule=dualpipev",
+    "parallel.num_virtual_stages=2",
+    "train.micro_batch_size=2",
+]
 FOUR_RANKS = {
     "pp4_gpipe": ["parallel.pp=4", "parallel.pp_schedule=gpipe"],
     "pp4_1f1b": ["parallel.pp=4", "parallel.pp_schedule=1f1b"],
     "pp2_dp2_ddp": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=0"],
     "pp2_dp2_zero1": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=1"],
-    "pp2_dp2_zero1_dualpipev": [  # DeepSeek-V3's layout in small: DualPipeV x EP x ZeRO-1
-        "parallel.pp=2",
-        "parallel.dp_shard=2",
-        "parallel.ep=2",
-        "parallel.zero_stage=1",
-        "parallel.pp_schedule=dualpipev",
-        "parallel.num_virtual_stages=2",
-        "train.micro_batch_size=2",
-        "parallel.pp_overlap=true",
-    ],
+    "pp2_dp2_zero1_dualpipev": [*V3_SMALL, "parallel.pp_overlap=true"],
     "pp2_dp2_zero2_zbv": [
         "parallel.pp=2",
         "parallel.dp_shard=2",
@@ -64,26 +56,12 @@ FOUR_RANKS = {
         "parallel.pp_schedule=zbv",
         "parallel.num_virtual_stages=2",
     ],
-    "pp2_dp2_zero1_dualpipev_sequential": [
-        "parallel.pp=2",
-        "parallel.dp_shard=2",
-        "parallel.ep=2",
-        "parallel.zero_stage=1",
-        "parallel.pp_schedule=dualpipev",
-        "parallel.num_virtual_stages=2",
-        "train.micro_batch_size=2",
-        "parallel.pp_overlap=false",
-    ],
-    "pp2_dp2_dualpipev_ac": [  # the overlap with activation checkpointing (it composes)
-        "parallel.pp=2",
-        "parallel.dp_shard=2",
-        "parallel.ep=2",
-        "parallel.zero_stage=1",
-        "parallel.pp_schedule=dualpipev",
-        "parallel.num_virtual_stages=2",
-        "train.micro_batch_size=2",
-        "train.activation_checkpoint=full",
+    "pp2_dp2_zero1_dualpipev_sequential": [*V3_SMALL, "parallel.pp_overlap=false"],
+    # the overlap with activation checkpointing (it composes)
+    "pp2_dp2_dualpipev_ac": [
+        *V3_SMALL,
         "parallel.pp_overlap=true",
+        "train.activation_checkpoint=full",
     ],
     "pp2_tp2_sp": ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
     "pp2_ep2": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2"],
