@@ -88,7 +88,7 @@ class Bf16MomentsAdam(torch.optim.Optimizer):
                         state[name] = torch.zeros_like(param, dtype=torch.bfloat16)
                 state["step"] += 1
                 t = state["step"].item()  # a host tensor: no device sync
-                p, g = _local(param), _local(param.grad).float()
+                p, g = _local(param), _local(_placed_like(param.grad, param)).float()
                 if decay and self.decoupled:
                     p.mul_(1 - lr * decay)
                 elif decay:
@@ -108,6 +108,15 @@ class Bf16MomentsAdam(torch.optim.Optimizer):
             for name in MOMENTS:
                 if name in state and state[name].dtype != torch.bfloat16:
                     state[name] = state[name].to(torch.bfloat16)
+
+
+def _placed_like(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The gradient with its parameter's placements: a DTensor gradient can come out placed
+    otherwise (under TP, Replicate for a Shard(0) weight), which torch's optimizers let DTensor
+    redistribute implicitly and local arithmetic cannot."""
+    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
+        return grad.redistribute(param.device_mesh, param.placements)
+    return grad
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
