@@ -134,3 +134,26 @@ def test_two_stages_per_rank_at_pp4_match_one_process(setup):  # noqa: F811
     for name in FOUR_RANKS_8_STAGES:
         _check(root, name, weights, weights_dir=root / "pp4v", reference="reference8")
     _check_overlap(root, ranks, "pp4_dualpipev", with_collectives=False)
+
+
+# DeepSeek-V3's layout at pp4: DualPipeV x dp2 x EP2 on 8 ranks (8 layers, 8 micro-batches).
+PP4_EP2 = [
+    "parallel.pp=4",
+    "parallel.dp_shard=2",
+    "parallel.ep=2",
+    "parallel.zero_stage=1",
+    "parallel.pp_schedule=dualpipev",
+    "parallel.num_virtual_stages=2",
+]
+EIGHT_RANKS = {
+    "pp4_dp2_ep2_dualpipev": [*PP4_EP2, "parallel.pp_overlap=true"],
+    "pp4_dp2_ep2_dualpipev_sequential": [*PP4_EP2, "parallel.pp_overlap=false"],
+}
+
+
+def test_dualpipev_overlap_at_pp4_with_ep_matches_sequential(setup):  # noqa: F811
+    root, common, _ = setup
+    eight = [*common, "model.num_layers=8", "train.micro_batch_size=1"]
+    spec = {"common": eight, "layouts": EIGHT_RANKS}
+    ranks = run_ranks(8, "train_layouts", root / "pp4ep", json.dumps(spec), timeout=1200)
+    _check_overlap(root, ranks, "pp4_dp2_ep2_dualpipev", with_collectives=True)
