@@ -25,7 +25,7 @@ from tests.distributed.test_parity_matrix import _losses
 
 pytestmark = pytest.mark.slow
 
-FP8_RTOL = 3e-4  # measured up to 8.1e-5 (2 ranks)
+FP8_RTOL = 3e-4  # measured up to 9.2e-5 (2 ranks, bf16 moments, split tokens under TP)
 WIDE = [
     "train.precision=fp8",
     "model.qk_nope_head_dim=64",
@@ -48,8 +48,9 @@ FOUR_RANKS = {
 }
 
 
-# 4 ranks (FOUR_RANKS) is not yet measured to hold FP8_RTOL: it stays out of the suite until it is.
-@pytest.mark.parametrize("ranks", [2, 4])
+# 4 ranks (FOUR_RANKS) stays out of the suite: pp2_dp2_zero1_ep2 hangs at step 1 in fp8 (the same
+# layout trains in bf16), not yet diagnosed; hsdp, dp2_tp2, dp4_ep2 and pp2_tp2_sp were not reached.
+@pytest.mark.parametrize("ranks", [2])
 def test_fp8_in_every_layout_matches_one_process(small, ranks):  # noqa: F811
     root, common = small
     common = [*common, *WIDE]
