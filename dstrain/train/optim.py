@@ -93,10 +93,11 @@ class Bf16MomentsAdam(torch.optim.Optimizer):
                     p.mul_(1 - lr * decay)
                 elif decay:
                     g = g.add(p, alpha=decay)
-                m = _local(state["exp_avg"]).float().lerp_(g, 1 - beta1)
-                v = _local(state["exp_avg_sq"]).float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                _local(state["exp_avg"]).copy_(m)
-                _local(state["exp_avg_sq"]).copy_(v)
+                m_stored, v_stored = (_local(state[name]) for name in MOMENTS)
+                m = m_stored.float().lerp_(g, 1 - beta1)
+                v = v_stored.float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                m_stored.copy_(m)
+                v_stored.copy_(v)
                 denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
                 p.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
         return loss
