@@ -38,6 +38,8 @@ _OFFLINE = dict(
 
 
 class WandbSink:
+    open_runs = 0  # sinks in this process whose run is not finished yet
+
     def __init__(self, folder: Path, *, run: str, config: dict[str, Any]) -> None:
         try:
             import wandb  # about 0.7 s: only when this sink is used
@@ -60,6 +62,7 @@ class WandbSink:
             reinit="create_new",  # several sinks (tests, a CLI session) may live in one process
             settings=settings,
         )
+        WandbSink.open_runs += 1
         self.last_step = -1
 
     def write(self, step: int, metrics: Metrics) -> None:
@@ -82,9 +85,18 @@ class WandbSink:
         past the last one written."""
 
     def close(self) -> None:
-        if self.run is not None:
-            self.run.finish()
-            self.run = None
+        """Finish the run; the last sink in the process also stops the wandb service. `finish`
+        returns once the service holds the records, not once they are on disk: a CI run read the
+        .wandb file right after `finish` and found only its 7-byte header. Stopping the service
+        closes the file. wandb's atexit hook would stop it later, but is unreliable under
+        multiprocessing."""
+        if self.run is None:
+            return
+        self.run.finish()
+        self.run = None
+        WandbSink.open_runs -= 1
+        if WandbSink.open_runs == 0:
+            self.wandb.teardown()
 
 
 def _drop_inherited_service() -> None:

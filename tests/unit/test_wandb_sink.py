@@ -95,3 +95,20 @@ def test_a_service_another_process_started_is_not_used(tmp_path, monkeypatch):
     assert os.environ.get("WANDB_SERVICE", f"3-{os.getpid()}").split("-")[1] == str(os.getpid())
     (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
     assert history(run_file)[0][1]["loss/main"] == 1.0
+
+
+def test_closing_one_of_two_sinks_leaves_the_other_logging(tmp_path):
+    """The last sink to close stops the wandb service (that closes the files); an earlier one
+    must not, or the other run would lose what it logs after."""
+    pytest.importorskip("wandb")
+    first = WandbSink(tmp_path / "first", run="first", config={})
+    second = WandbSink(tmp_path / "second", run="second", config={})
+    first.write(1, {"loss/main": 1.0})
+    first.close()
+    second.write(1, {"loss/main": 2.0})
+    second.write(2, {"loss/main": 3.0})
+    second.close()
+    for name, expected in (("first", {1: 1.0}), ("second", {1: 2.0, 2: 3.0})):
+        (run_file,) = (tmp_path / name / "wandb").glob("offline-run-*/run-*.wandb")
+        rows = history(run_file)[0]
+        assert {step: row["loss/main"] for step, row in rows.items()} == expected
