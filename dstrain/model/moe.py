@@ -158,6 +158,10 @@ def _grouped_matmul(
     x_TI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor
 ) -> torch.Tensor:
     """Rows of x for expert e times w[e]^T, for every e at once."""
+    if x_TI.size(0) == 0:
+        # No rows (an EP rank every token passed by): grouped_mm's backward fails on them in
+        # torch 2.13 ("Invalid strides/sizes"). An empty product keeps x in the graph.
+        return x_TI @ w_EOI[0].T
     if _can_group(x_TI, w_EOI):
         offsets = torch.cumsum(counts_E, 0, dtype=torch.int32)
         return _GROUPED_MM(x_TI, w_EOI.transpose(-2, -1), offs=offsets)
@@ -180,7 +184,11 @@ def fp8_grouped_matmul(
         fp8_matmul(chunk, w, backend) for chunk, w in zip(chunks, w_EOI, strict=True) if len(chunk)
     ]
     if not out:
-        return x_TI.new_zeros(0, w_EOI.size(1), dtype=torch.bfloat16)
+        # No rows at all (an EP rank every token passed by). The empty result must still hang
+        # off x in the autograd graph: otherwise backward never reaches the dispatch that
+        # delivered x, its all-to-all backward is skipped on this rank alone, and the peers
+        # wait for it forever.
+        return x_TI.to(torch.bfloat16) @ w_EOI[0].to(torch.bfloat16).T
     return torch.cat(out)
 
 

@@ -48,9 +48,7 @@ FOUR_RANKS = {
 }
 
 
-# 4 ranks (FOUR_RANKS) stays out of the suite: pp2_dp2_zero1_ep2 hangs at step 1 in fp8 (the same
-# layout trains in bf16), not yet diagnosed; hsdp, dp2_tp2, dp4_ep2 and pp2_tp2_sp were not reached.
-@pytest.mark.parametrize("ranks", [2])
+@pytest.mark.parametrize("ranks", [2, 4])
 def test_fp8_in_every_layout_matches_one_process(small, ranks):  # noqa: F811
     root, common = small
     common = [*common, *WIDE]

@@ -317,3 +317,20 @@ def test_add_auxiliary_loss_is_identity_forward_and_unit_gradient_backward():
     (out * 2).sum().backward()
     assert torch.equal(x.grad, torch.full_like(x, 2.0))
     assert aux.grad == 3.0  # d(3 aux)/d aux, whatever the upstream gradient of out
+
+
+@pytest.mark.parametrize("fp8_backend", [None, "emulated"])
+def test_experts_that_get_no_rows_stay_in_the_autograd_graph(fp8_backend):
+    """An EP rank every token passed by computes on zero rows. Its (empty) output must still
+    depend on the rows it was handed, or backward never reaches the dispatch all-to-all that
+    delivered them: that rank alone skips the collective's backward and its peers hang."""
+    experts = GroupedExperts(4, 128, 128)
+    for w in experts.parameters():
+        torch.nn.init.normal_(w, std=0.02)
+    experts.fp8_backend = fp8_backend
+    delivered = torch.randn(3, 128, requires_grad=True)
+    rows = delivered[:0] * 2.0  # stands in for the dispatch's (empty) output
+    out = experts(rows, torch.zeros(4, dtype=torch.int64))
+    assert out.shape == (0, 128)
+    out.float().sum().backward()
+    assert delivered.grad is not None and delivered.grad.abs().sum() == 0
