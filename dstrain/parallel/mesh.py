@@ -14,8 +14,11 @@ axis), `edp` (ranks holding the same experts).
 """
 
 from dataclasses import dataclass
+from datetime import timedelta
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from dstrain.config.parallel_dims import ParallelDims
 
@@ -29,6 +32,7 @@ class Meshes:
     dense: DeviceMesh
     sparse: DeviceMesh
     flat: dict[str, DeviceMesh]
+    timeout: timedelta | None = None  # every group's (comm.timeout_s); None: torch's defaults
 
     def __getitem__(self, name: str) -> DeviceMesh:
         """A named 1-D view: any dense axis, `dp`, `dp_shard_cp`, `efsdp` or `ep`."""
@@ -39,7 +43,11 @@ class Meshes:
         return self.dense[name]
 
 
-def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
+def build_meshes(dims: ParallelDims, device_type: str, timeout: timedelta | None = None) -> Meshes:
+    """`timeout`: set on every group the meshes create. torch gives a sub-group its backend's
+    default (30 min for gloo, 10 for NCCL), not the world group's `init_process_group` timeout,
+    so without this a rank stuck in an EP, PP or TP collective holds its peers far past
+    comm.timeout_s. Upstream's setter, as torchtitan uses it (`_set_pg_timeout`)."""
     world = init_device_mesh(device_type, (dims.world_size,), mesh_dim_names=("world",))
     dense = world._unflatten(
         0, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp), DENSE_AXES
@@ -51,4 +59,18 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
         # Ranks holding the same experts: their expert gradients are summed over this.
         "edp": sparse["dp_replicate", "efsdp"]._flatten("edp"),
     }
-    return Meshes(dims, dense, sparse, flat)
+    meshes = Meshes(dims, dense, sparse, flat, timeout)
+    if timeout is not None:
+        for group in groups(meshes):
+            _set_pg_timeout(timeout, group)
+    return meshes
+
+
+def groups(meshes: Meshes) -> list[dist.ProcessGroup]:
+    """Each distinct process group of this rank's 1-D views (the world's included where an
+    axis spans it)."""
+    found: dict[str, dist.ProcessGroup] = {}
+    for name in (*DENSE_AXES, "efsdp", "ep", *meshes.flat):
+        group = meshes[name].get_group()
+        found.setdefault(group.group_name, group)
+    return list(found.values())

@@ -289,7 +289,7 @@ def _tie_embeddings(union: PipelineModel, meshes: Meshes, schedule: str) -> Tied
     me, group = dist.get_rank(), None
     for column in lines.T.tolist():
         pair = [column[0], column[-1]]
-        created = dist.new_group(pair)
+        created = dist.new_group(pair, timeout=meshes.timeout)
         if me in pair:
             group = created
     return TiedEmbedding(first, mtp_copy, group)

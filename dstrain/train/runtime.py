@@ -6,6 +6,7 @@ process group builds exactly what training builds, only left on `meta`.
 """
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 
@@ -48,7 +49,7 @@ def build_runtime(
     the weights) draws them instead of reading `model.init_from`."""
     args = resolve_model_args(config.model)
     dims = checked_dims(config, world.world_size, args)
-    meshes = build_meshes(dims, _mesh_device(world)) if world.backend else None
+    meshes = _meshes(config, world, dims)
     dp = _data_parallel(config, dims, meshes)
     batch = _batch(config, dims)
     device = world.device if materialize else None
@@ -58,6 +59,15 @@ def build_runtime(
         weights.close()
     optimizer = build_optimizer(model, config.optim, config.train.precision)
     return Runtime(args, dims, meshes, dp, batch, model, pipeline, optimizer, weights)
+
+
+def _meshes(config: DstrainConfig, world: World, dims: ParallelDims) -> Meshes | None:
+    """None in one process. The dry run's fake groups keep torch's timeouts (they never wait)."""
+    if world.backend is None:
+        return None
+    real = world.backend in ("gloo", "nccl")
+    timeout = timedelta(seconds=config.comm.timeout_s) if real else None
+    return build_meshes(dims, _mesh_device(world), timeout)
 
 
 def initial_weights(config: DstrainConfig, args: ModelArgs) -> HFCheckpoint | None:
