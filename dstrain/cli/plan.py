@@ -27,12 +27,23 @@ its source.
 and deploy accept. --json prints fits, memory_gib_per_gpu, step_time_s, tokens_per_s,
 tokens_per_s_per_gpu, tflops_per_gpu, mfu, bubble_fraction, comm_exposed_fraction and layout
 (the winner's, in search mode, plus "ranked" and "alternatives").
-exit status: 0 a layout that fits, 1 an illegal or impossible one (the reasons are printed).
+Memory is "fits", "tight" (the estimate is within 10 % of the device, or over it while its
+floor, with a fused loss and balanced routing, is not: the margin is printed) or "does not fit"
+(even the floor exceeds the device). An evaluated layout that dstrain's own trainer would refuse
+(a limit of its own, such as context parallelism, plain DDP under TP or ZeRO-3 with PP, that
+another engine runs) is still estimated; the refusal is printed, and "legal" is false.
+exit status: 0 a layout that fits or is tight, 1 one that does not fit or does not tile the
+GPUs and the batch (the reasons are printed).
 
 --calibrate RUN_DIR... fits the matmul, attention and memory-streaming efficiencies, the
 per-layer overhead and the link efficiency and latency to measured runs (their metrics.jsonl,
 summary.json and config.toml) and prints, per run, model states and step time measured against
 predicted, before and after.
+
+--validate predicts every published run in dstrain/planner/published (training reports, papers,
+official scaling tables; each with its source) and prints predicted against published
+tokens/s per GPU, peak memory and bubble, the median errors, the share within 25 %, and the
+runs it would have called impossible.
 
 examples:
   dstrain plan --model deepseek-v3 --gpu H800 --num-gpus 2048
@@ -41,6 +52,7 @@ examples:
   dstrain plan --model config.json --gpu a100-80gb --num-gpus 64 --tp 8 --top 5 --json
   dstrain plan --model deepseek-v2-lite --gpu H100 --num-gpus 16 --emit-config plan.toml
   dstrain plan --calibrate runs/dp2 runs/tp2 runs/ep2
+  dstrain plan --validate --json
 """
 
 LAYOUT_FLAGS = ("tp", "pp", "ep")
@@ -117,6 +129,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="fit the efficiency and bandwidth constants to these measured runs and print "
         "measured vs predicted (instead of planning)",
     )
+    parser.add_argument(
+        "--validate",
+        action="store_true",
+        help="score the planner against the published training runs it ships with "
+        "(dstrain/planner/published): predicted vs published throughput, memory and bubble",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=positive_int, default=10, metavar="K")
     out.add_argument("--emit-config", type=Path, metavar="OUT.toml")
@@ -129,6 +147,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.calibrate:
         return calibrate_command(args.calibrate, args, console())
+    if args.validate:
+        from dstrain.cli.plan_validate import validate_command
+
+        return validate_command(args, console())
     missing = [
         f"--{n.replace('_', '-')}" for n in ("model", "gpu", "num_gpus") if not getattr(args, n)
     ]

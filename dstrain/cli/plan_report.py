@@ -17,13 +17,17 @@ from dstrain.planner.estimate import Estimate, estimate
 from dstrain.planner.layout import Cluster, Layout
 from dstrain.planner.legal import to_config, trainer_errors
 from dstrain.planner.memory import GiB
+from dstrain.planner.published import attach_range
 from dstrain.planner.search import search
 
 
 def evaluate_command(
     model: ModelArgs, cluster: Cluster, layout: Layout, args: argparse.Namespace, out: Console
 ) -> int:
-    reasons = _impossible(model, cluster, layout)
+    refusals = trainer_errors(model, layout, cluster)
+    reasons = _untileable(cluster, layout) or [
+        f"{f.key}: {f.message}" for f in refusals if not f.trainer_limit
+    ]
     if reasons:
         if args.json:
             print_json(
@@ -35,12 +39,18 @@ def evaluate_command(
                 out.print(f"  - {reason}", markup=False)
         return 1
     result = estimate(model, layout, cluster)
+    # Another engine may run what dstrain's trainer refuses (plain DDP under TP, context
+    # parallelism, ZeRO-3 with PP): the layout is still estimated, the refusal said beside it.
+    result.illegal = [f"{f.key}: {f.message}" for f in refusals]
+    attach_range(result, model, cluster)
     _emit(args, model, cluster, result)
     if args.json:
         print_json(result.to_json())
     else:
         _print_estimate(result, out)
-    return 0 if result.fits else 1
+        for reason in result.illegal:
+            out.print(f"dstrain train would refuse this layout: {reason}", markup=False)
+    return 1 if result.memory_verdict == "does not fit" else 0
 
 
 def search_command(
@@ -66,6 +76,7 @@ def search_command(
             exit_code=1,
         )
     winner = found.ranked[0]
+    attach_range(winner, model, cluster)
     _emit(args, model, cluster, winner)
     if args.json:
         print_json(
@@ -136,7 +147,7 @@ def calibrate_command(paths: list[Path], args: argparse.Namespace, out: Console)
     return 0
 
 
-def _impossible(model: ModelArgs, cluster: Cluster, layout: Layout) -> list[str]:
+def _untileable(cluster: Cluster, layout: Layout) -> list[str]:
     reasons = []
     if layout.world != cluster.num_gpus:
         reasons.append(
@@ -148,9 +159,7 @@ def _impossible(model: ModelArgs, cluster: Cluster, layout: Layout) -> list[str]
             f"global batch {layout.global_batch} is not a multiple of dp {layout.dp} x "
             f"micro-batch {layout.micro_batch}"
         )
-    if reasons:
-        return reasons
-    return [f"{f.key}: {f.message}" for f in trainer_errors(model, layout, cluster)]
+    return reasons
 
 
 def _emit(args: argparse.Namespace, model: ModelArgs, cluster: Cluster, result: Estimate) -> None:
@@ -173,7 +182,12 @@ def hf_config_path(model: str) -> Path | None:
 
 def _print_estimate(e: Estimate, out: Console) -> None:
     m = e.memory
-    verdict = "fits" if e.fits else "DOES NOT FIT"
+    verdict = {
+        "fits": f"fits, {e.memory_margin_gib:.1f} GiB to spare",
+        "tight": f"TIGHT: margin {e.memory_margin_gib:+.1f} GiB, at least {m.floor / GiB:.1f} "
+        "GiB with fused loss and balanced routing",
+        "does not fit": f"DOES NOT FIT: at least {m.floor / GiB:.1f} GiB",
+    }[e.memory_verdict]
     out.print(f"layout: {e.layout.describe()} on {e.layout.world} GPUs", markup=False)
     out.print(
         f"memory per GPU: {m.peak / GiB:.1f} GiB of {e.hbm_bytes / GiB:.1f} ({verdict}; "
@@ -192,6 +206,13 @@ def _print_estimate(e: Estimate, out: Console) -> None:
         f"GPU), {e.tflops_per_gpu:.0f} model TFLOP/s per GPU, MFU {100 * e.mfu:.1f}%",
         markup=False,
     )
+    if e.throughput_range:
+        low, high, runs = e.throughput_range
+        out.print(
+            f"  80 % range {low:,.0f}-{high:,.0f} tokens/s per GPU: how far the planner was "
+            f"off on the {runs} most similar published runs (dstrain plan --validate)",
+            markup=False,
+        )
     if e.comm is not None:
         parts = [
             f"{axis} {c.exposed_seconds:.2f}/{c.seconds:.2f} s ({c.link})"

@@ -14,13 +14,24 @@ class Finding:
     key: str
     message: str
     fix: str = ""
+    # A limit of dstrain's trainer, not of the layout: other engines run it (the planner still
+    # estimates such a layout, and says the trainer would refuse it).
+    trainer_limit: bool = False
 
     def as_dict(self) -> dict[str, str]:
-        return asdict(self)
+        out = asdict(self)
+        if not self.trainer_limit:
+            del out["trainer_limit"]
+        return out
 
 
 def error(key: str, message: str, fix: str = "") -> Finding:
     return Finding("error", key, message, fix)
+
+
+def trainer_limit(key: str, message: str, fix: str = "") -> Finding:
+    """An error for what dstrain's trainer does not run though the layout is sound."""
+    return Finding("error", key, message, fix, trainer_limit=True)
 
 
 def warning(key: str, message: str, fix: str = "") -> Finding:

@@ -28,31 +28,39 @@ def read_hf_config(path: Path) -> ModelArgs:
         raise UserError(f"{file} is not valid JSON: {exc}", "check the file") from None
     if not isinstance(data, dict):
         raise UserError(f"{file}: expected a JSON object", "check the file")
+    return model_args_from_hf(data, str(file))
+
+
+def model_args_from_hf(data: dict[str, Any], origin: str) -> ModelArgs:
+    """ModelArgs from the keys of a config.json already read; `origin` names it in messages."""
     kind = str(data.get("model_type", ""))
     reader = _READERS.get(kind)
     if reader is None:
         raise UserError(
-            f"{file}: model_type `{kind}` is not supported{did_you_mean(kind, _READERS)}",
+            f"{origin}: model_type `{kind}` is not supported{did_you_mean(kind, _READERS)}",
             f"supported: {', '.join(_READERS)}",
         )
     try:
-        return ModelArgs.model_validate(reader(_Keys(data, file)))
+        return ModelArgs.model_validate(reader(_Keys(data, origin)))
     except ValidationError as exc:
         first = exc.errors()[0]
         raise UserError(
-            f"{file}: {'.'.join(map(str, first['loc']))}: {first['msg']}", "check the config.json"
+            f"{origin}: {'.'.join(map(str, first['loc']))}: {first['msg']}",
+            "check the config.json",
         ) from None
 
 
 class _Keys:
-    """Required and optional lookups that name the file and key when one is missing."""
+    """Required and optional lookups that name the origin and key when one is missing."""
 
-    def __init__(self, data: dict[str, Any], file: Path) -> None:
-        self.data, self.file = data, file
+    def __init__(self, data: dict[str, Any], origin: str) -> None:
+        self.data, self.origin = data, origin
 
     def need(self, key: str) -> Any:
         if self.data.get(key) is None:
-            raise UserError(f"{self.file}: `{key}` is missing", "add it, as transformers writes it")
+            raise UserError(
+                f"{self.origin}: `{key}` is missing", "add it, as transformers writes it"
+            )
         return self.data[key]
 
     def get(self, key: str, default: Any) -> Any:

@@ -15,7 +15,7 @@ it adds no ranks of its own.
 
 from dataclasses import dataclass
 
-from dstrain.config.findings import Finding, error, warning
+from dstrain.config.findings import Finding, error, trainer_limit, warning
 from dstrain.config.schema import ParallelConfig
 
 
@@ -120,7 +120,7 @@ class ParallelDims:
 
     def _check_cp(self) -> Finding | None:
         if self.cp > 1:
-            return error(
+            return trainer_limit(
                 "parallel.cp",
                 f"cp={self.cp}: context parallelism is reserved and not built yet",
                 "set parallel.cp = 1 (use tp with sequence_parallel for long sequences)",

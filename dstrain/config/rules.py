@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dstrain.config.batch import BatchPlan, fewest_microbatches, run_batch
-from dstrain.config.findings import Finding, error, info, warning
+from dstrain.config.findings import Finding, error, info, trainer_limit, warning
 from dstrain.config.model_args import ModelArgs
 from dstrain.config.parallel_dims import ParallelDims, stage_trim, tp_spans_nodes
 from dstrain.config.schema import DstrainConfig
@@ -175,7 +175,7 @@ def rule_pipeline_microbatches(t: CheckTarget) -> Iterable[Finding]:
     needed = fewest_microbatches(p)
     if m < needed:
         what = "stages" if p.pp_schedule == "dualpipev" else "pipeline ranks"
-        yield error(
+        yield trainer_limit(  # Megatron-LM runs m < p (most of the step idle)
             "parallel.num_microbatches",
             f"{m} micro-batch(es) per step for {needed} {what} under {p.pp_schedule}: upstream "
             "rejects it (or the pipeline idles most of the step)",
@@ -199,7 +199,7 @@ def rule_pipeline_layers(t: CheckTarget) -> Iterable[Finding]:
         return
     stages = p.pp * p.num_virtual_stages
     if model.num_layers < stages:
-        yield error(
+        yield trainer_limit(  # other engines give a stage only the embedding or the head
             "parallel.pp",
             f"{model.num_layers} layers cannot fill {stages} pipeline stages (pp {p.pp} x "
             f"{p.num_virtual_stages} per rank)",
@@ -289,7 +289,7 @@ def rule_zero(t: CheckTarget) -> Iterable[Finding]:
     """ZeRO stage fits the runtime: not 3 with PP; offload needs FSDP; hooks need DDP."""
     p, comm = t.config.parallel, t.config.comm
     if p.zero_stage == 3 and p.pp > 1:
-        yield error(
+        yield trainer_limit(
             "parallel.zero_stage",
             "ZeRO-3 with pipeline parallelism: the stages would all-gather their parameters once "
             "per micro-batch, and upstream pipelining keeps FSDP modules unsharded for the whole "
@@ -317,7 +317,7 @@ def rule_zero(t: CheckTarget) -> Iterable[Finding]:
         )
     dims = t.dims
     if dims and dims.dp > 1 and dims.tp > 1 and p.zero_stage == 0:
-        yield error(
+        yield trainer_limit(
             "parallel.zero_stage",
             "tp > 1 with plain DDP (zero_stage 0): DDP cannot reduce tensor-parallel (DTensor) "
             "parameters; dstrain runs tp with data parallelism under FSDP2",
@@ -408,7 +408,8 @@ def rule_fp8_tensor_parallel(t: CheckTarget) -> Iterable[Finding]:
         return
     for name, width in tp_sharded_fp8_widths(args):
         if width % dims.tp or (width // dims.tp) % 128:
-            yield error(
+            # dstrain's whole-tile shards; Transformer Engine pads its scales instead
+            yield (error if width % dims.tp else trainer_limit)(
                 "parallel.tp",
                 f"fp8 with tp = {dims.tp}: {name} ({width} wide) splits into "
                 f"{width / dims.tp:g} per rank, not a multiple of 128, so a 1x128 tile or "

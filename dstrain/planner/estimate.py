@@ -31,6 +31,7 @@ from dstrain.planner.memory import GiB, Memory, memory_per_gpu
 from dstrain.planner.shape import RankShape, rank_shapes
 
 IN_STAGE = ("tp", "ep", "pp", "cp")
+TIGHT = 0.10  # an estimate within 10 % of the device is "tight": the estimate's own error
 DATA_PARALLEL = ("dp", "edp")
 
 
@@ -56,10 +57,28 @@ class Estimate:
     num_gpus: int = 0
     peak_flops: float = 0.0
     illegal: list[str] = field(default_factory=list)  # the trainer's reasons, when not legal
+    # tokens/s per GPU that published runs like this one measured against such a prediction
+    # (low, high, runs): `planner/published.py`
+    throughput_range: tuple[float, float, int] | None = None
 
     @property
     def fits(self) -> bool:
+        """The estimate fits (what the search ranks by: a layout it recommends has room)."""
         return self.memory.peak <= self.hbm_bytes
+
+    @property
+    def memory_verdict(self) -> str:
+        """ "does not fit" only when even the floor (`Memory.floor`) exceeds the device; "tight"
+        when the estimate is over, or within TIGHT of, the device while the floor is not;
+        else "fits"."""
+        if self.memory.floor > self.hbm_bytes:
+            return "does not fit"
+        return "tight" if self.memory.peak > (1 - TIGHT) * self.hbm_bytes else "fits"
+
+    @property
+    def memory_margin_gib(self) -> float:
+        """Device memory left over by the estimate (negative: over by that much)."""
+        return (self.hbm_bytes - self.memory.peak) / GiB
 
     @property
     def usable(self) -> bool:
@@ -91,12 +110,24 @@ class Estimate:
             "legal": not self.illegal,
             "illegal_reasons": self.illegal,
             "fits": self.fits,
+            "memory_verdict": self.memory_verdict,
+            "memory_margin_gib": self.memory_margin_gib,
             "memory_gib_per_gpu": {**self.memory.to_json(), "capacity": self.hbm_bytes / GiB},
             "step_time_s": self.step_time_s,
             "compute_s": self.compute_s,
             "optimizer_s": self.optimizer_s,
             "tokens_per_s": self.tokens_per_s,
             "tokens_per_s_per_gpu": self.tokens_per_s / self.num_gpus if self.num_gpus else 0.0,
+            "tokens_per_s_per_gpu_range": (
+                {
+                    "low": self.throughput_range[0],
+                    "high": self.throughput_range[1],
+                    "coverage": 0.8,
+                    "from_published_runs": self.throughput_range[2],
+                }
+                if self.throughput_range
+                else None
+            ),
             "tflops_per_gpu": self.tflops_per_gpu,
             "mfu": self.mfu,
             "bubble_fraction": self.bubble_fraction,

@@ -46,7 +46,7 @@ def to_config(
             "cluster": {
                 "gpu": cluster.gpu.name,
                 "nodes": cluster.nodes,
-                "gpus_per_node": cluster.gpus_per_node,
+                "gpus_per_node": min(cluster.gpus_per_node, cluster.num_gpus),
                 "inter_node_gbps": cluster.inter_node_gbps,
             },
         }

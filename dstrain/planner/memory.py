@@ -61,6 +61,7 @@ GRAD_BYTES = 4  # fp32 gradients (FSDP2's reduce dtype; DDP's fp32 parameters)
 PAPER_BYTES = (2, 2, 12)  # the ZeRO paper's weights, gradients and optimizer states
 ROUTING_HEADROOM = 1.25
 FIXED_OVERHEAD_BYTES = 3 * GiB
+FLOOR_OVERHEAD_BYTES = 1 * GiB  # the CUDA context and NCCL's buffers, with nothing cached
 FRAGMENTATION = 0.10
 
 
@@ -74,6 +75,7 @@ class Memory:
     activations: float
     overhead: float
     rank: int  # the pipeline rank it is
+    floor: float = 0.0  # the least this rank can hold (`memory_floor`): below it, no kernel helps
 
     @property
     def model_states(self) -> float:
@@ -186,20 +188,42 @@ def _rank_memory(args: ModelArgs, layout: Layout, shape: RankShape) -> Memory:
     weights, grads, optimizer = (sum(part[i] for part in parts) for i in range(3))
     activations = activation_bytes(args, layout, shape)
     overhead = FIXED_OVERHEAD_BYTES + FRAGMENTATION * activations
+    gathered = 0.0
     if layout.zero >= 3:
-        overhead += 2 * gathered_bytes(layout.precision) * _largest_layer_params(shape)
-    return Memory(weights, grads, optimizer, activations, overhead, shape.rank)
+        gathered = 2 * gathered_bytes(layout.precision) * _largest_layer_params(shape)
+    floor = (
+        weights
+        + grads
+        + optimizer
+        + activation_bytes(args, layout, shape, floor=True)
+        + FLOOR_OVERHEAD_BYTES
+        + gathered / 2
+    )
+    return Memory(weights, grads, optimizer, activations, overhead + gathered, shape.rank, floor)
 
 
-def activation_bytes(args: ModelArgs, layout: Layout, shape: RankShape) -> float:
+def activation_bytes(
+    args: ModelArgs, layout: Layout, shape: RankShape, *, floor: bool = False
+) -> float:
+    """What the rank saves for backward at its peak. `floor`: the least of it, with no routing
+    imbalance and the loss fused with the head (Liger's and Megatron's fused cross-entropy never
+    hold the logits and their gradient over the whole micro-batch)."""
     tokens = layout.micro_batch * layout.seq_len / layout.cp
     dense_layer = layer_bytes_per_token(args, layout, moe=False)
-    moe_layer = layer_bytes_per_token(args, layout, moe=True)
+    moe_layer = _cached_layer_bytes(
+        args,
+        layout.tp,
+        layout.sequence_parallel,
+        layout.recompute,
+        True,
+        layout.routed_split,
+        1.0 if floor else ROUTING_HEADROOM,
+    )
     per_microbatch = tokens * (shape.dense_layers * dense_layer + shape.moe_layers * moe_layer)
     if shape.has_embedding:
         per_microbatch += tokens * 2 * args.dim / _sp(layout)
-    resident = per_microbatch * in_flight(layout)
-    if shape.has_head:  # the last stage runs each micro-batch's backward right after its forward
+    resident = per_microbatch * in_flight(layout, floor=floor)
+    if shape.has_head and not floor:  # the last stage runs each micro-batch's backward next
         resident += tokens * _head_bytes_per_token(args, layout)
     if layout.recompute != "none":  # the layer being recomputed, at full size
         full = layout.with_(recompute="none")
@@ -210,13 +234,15 @@ def activation_bytes(args: ModelArgs, layout: Layout, shape: RankShape) -> float
     return resident
 
 
-def in_flight(layout: Layout) -> float:
-    """Micro-batches whose activations the busiest (first) rank holds at the peak."""
+def in_flight(layout: Layout, *, floor: bool = False) -> float:
+    """Micro-batches whose activations the busiest (first) rank holds at the peak. `floor`:
+    the least of its schedule family, p for interleaving (whose extra warm-up chunks an engine
+    can trade for bubble, as Llama 3's pipeline does with its tunable warm-up)."""
     p, m, v = layout.pp, layout.microbatches, layout.virtual_stages
     held = {
         "gpipe": m,
         "1f1b": p,
-        "interleaved-1f1b": p * (1 + (p - 1) / (p * v)),
+        "interleaved-1f1b": p if floor else p * (1 + (p - 1) / (p * v)),
         "zbv": p,
         "dualpipev": p + 1,
     }[layout.schedule]
@@ -236,7 +262,13 @@ def _layer_bytes(args: ModelArgs, layout: Layout, recompute: str, moe: bool) -> 
 
 @per_model
 def _cached_layer_bytes(
-    args: ModelArgs, tp: int, sp: bool, recompute: str, moe: bool, routed_split: int
+    args: ModelArgs,
+    tp: int,
+    sp: bool,
+    recompute: str,
+    moe: bool,
+    routed_split: int,
+    headroom: float = ROUTING_HEADROOM,
 ) -> float:
     hidden = 2 * args.dim / (tp if sp else 1)  # one hidden-size tensor
     if recompute == "full":
@@ -244,7 +276,11 @@ def _cached_layer_bytes(
     if recompute == "selective":
         return 3 * hidden  # the block input, and the inputs of attention and of the FFN
     attention = _attention_bytes(args, tp)
-    ffn = _moe_bytes(args, tp, routed_split) if moe else _dense_ffn_bytes(args, args.inter_dim, tp)
+    ffn = (
+        _moe_bytes(args, tp, routed_split, headroom)
+        if moe
+        else _dense_ffn_bytes(args, args.inter_dim, tp)
+    )
     return 4 * hidden + attention + ffn  # the block input, norm inputs and outputs
 
 
@@ -275,13 +311,13 @@ def _dense_ffn_bytes(args: ModelArgs, width: float, tp: int) -> float:
     return 2 * tensors * width / tp
 
 
-def _moe_bytes(args: ModelArgs, tp: int, routed_split: int) -> float:
+def _moe_bytes(args: ModelArgs, tp: int, routed_split: int, headroom: float) -> float:
     """Router scores (fp32, gathered over tp for the balance loss), each routed copy's input,
     expert intermediates and output, times the routing headroom, for this rank's share of the
     tokens (1 / routed_split); the shared experts like a dense FFN split over tp."""
     k = args.num_activated_experts
     routed = (
-        k * ROUTING_HEADROOM * (2 * 2 * args.dim + _dense_ffn_bytes(args, args.moe_inter_dim, 1))
+        k * headroom * (2 * 2 * args.dim + _dense_ffn_bytes(args, args.moe_inter_dim, 1))
     ) / routed_split
     shared = _dense_ffn_bytes(args, args.num_shared_experts * args.moe_inter_dim, tp)
     return 4 * args.num_routed_experts + routed + shared

@@ -235,7 +235,6 @@ def test_plan_cli_search_emits_a_config_check_accepts(tmp_path):
     [
         (["--tp", "3", "--pp", "16", "--ep", "64"], "not the 2048 GPUs"),
         (["--tp", "8", "--pp", "8", "--ep", "3"], "ep"),
-        (["--tp", "1", "--pp", "16", "--ep", "64", "--zero", "3"], "ZeRO-3"),
     ],
 )
 def test_an_impossible_layout_gives_reasons_not_numbers(flags, said):
