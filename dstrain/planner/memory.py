@@ -191,9 +191,12 @@ def _rank_memory(args: ModelArgs, layout: Layout, shape: RankShape) -> Memory:
     gathered = 0.0
     if layout.zero >= 3:
         gathered = 2 * gathered_bytes(layout.precision) * _largest_layer_params(shape)
+    # At the floor gradients accumulate and reduce in 16 bits where the weights train in
+    # them (Megatron-LM's grad_reduce_in_fp32 = False; dstrain keeps them in fp32).
+    floor_grads = grads * (2 / GRAD_BYTES if layout.precision in ("bf16", "fp8") else 1)
     floor = (
         weights
-        + grads
+        + floor_grads
         + optimizer
         + activation_bytes(args, layout, shape, floor=True)
         + FLOOR_OVERHEAD_BYTES
@@ -205,19 +208,22 @@ def _rank_memory(args: ModelArgs, layout: Layout, shape: RankShape) -> Memory:
 def activation_bytes(
     args: ModelArgs, layout: Layout, shape: RankShape, *, floor: bool = False
 ) -> float:
-    """What the rank saves for backward at its peak. `floor`: the least of it, with no routing
-    imbalance and the loss fused with the head (Liger's and Megatron's fused cross-entropy never
-    hold the logits and their gradient over the whole micro-batch)."""
+    """What the rank saves for backward at its peak. `floor`: the least of it that today's
+    kernels need (`_cached_layer_bytes`), with the loss fused with the head (Liger's and
+    Megatron's fused cross-entropy never hold the logits and their gradient over the whole
+    micro-batch) and the schedule's fewest micro-batches in flight."""
     tokens = layout.micro_batch * layout.seq_len / layout.cp
-    dense_layer = layer_bytes_per_token(args, layout, moe=False)
-    moe_layer = _cached_layer_bytes(
-        args,
-        layout.tp,
-        layout.sequence_parallel,
-        layout.recompute,
-        True,
-        layout.routed_split,
-        1.0 if floor else ROUTING_HEADROOM,
+    dense_layer, moe_layer = (
+        _cached_layer_bytes(
+            args,
+            layout.tp,
+            layout.sequence_parallel,
+            layout.recompute,
+            moe,
+            layout.routed_split,
+            floor,
+        )
+        for moe in (False, True)
     )
     per_microbatch = tokens * (shape.dense_layers * dense_layer + shape.moe_layers * moe_layer)
     if shape.has_embedding:
@@ -268,8 +274,11 @@ def _cached_layer_bytes(
     recompute: str,
     moe: bool,
     routed_split: int,
-    headroom: float = ROUTING_HEADROOM,
+    floor: bool = False,
 ) -> float:
+    """`floor`: with a fused SwiGLU (Megatron's `bias_swiglu`, Liger's: it keeps its input and
+    recomputes the activation in backward) and routing in perfect balance; else as dstrain's
+    eager modules save them."""
     hidden = 2 * args.dim / (tp if sp else 1)  # one hidden-size tensor
     if recompute == "full":
         return hidden
@@ -277,9 +286,9 @@ def _cached_layer_bytes(
         return 3 * hidden  # the block input, and the inputs of attention and of the FFN
     attention = _attention_bytes(args, tp)
     ffn = (
-        _moe_bytes(args, tp, routed_split, headroom)
+        _moe_bytes(args, tp, routed_split, floor)
         if moe
-        else _dense_ffn_bytes(args, args.inter_dim, tp)
+        else _dense_ffn_bytes(args, args.inter_dim, tp, floor)
     )
     return 4 * hidden + attention + ffn  # the block input, norm inputs and outputs
 
@@ -304,22 +313,21 @@ def _attention_bytes(args: ModelArgs, tp: int) -> float:
     return 2 * (latents + heads * per_head) + 4 * heads  # + fp32 log-sum-exp per head
 
 
-def _dense_ffn_bytes(args: ModelArgs, width: float, tp: int) -> float:
-    """SwiGLU: w1 and w3 outputs, the activation and the product (w2's input); GELU: the up
-    projection's output and the activation."""
-    tensors = 4 if args.mlp == "swiglu" else 2
+def _dense_ffn_bytes(args: ModelArgs, width: float, tp: int, fused: bool = False) -> float:
+    """SwiGLU: w1 and w3 outputs, the activation and the product (w2's input), the activation
+    not kept when `fused`; GELU: the up projection's output and the activation."""
+    tensors = (3 if fused else 4) if args.mlp == "swiglu" else 2
     return 2 * tensors * width / tp
 
 
-def _moe_bytes(args: ModelArgs, tp: int, routed_split: int, headroom: float) -> float:
+def _moe_bytes(args: ModelArgs, tp: int, routed_split: int, floor: bool) -> float:
     """Router scores (fp32, gathered over tp for the balance loss), each routed copy's input,
     expert intermediates and output, times the routing headroom, for this rank's share of the
     tokens (1 / routed_split); the shared experts like a dense FFN split over tp."""
-    k = args.num_activated_experts
-    routed = (
-        k * headroom * (2 * 2 * args.dim + _dense_ffn_bytes(args, args.moe_inter_dim, 1))
-    ) / routed_split
-    shared = _dense_ffn_bytes(args, args.num_shared_experts * args.moe_inter_dim, tp)
+    k, headroom = args.num_activated_experts, 1.0 if floor else ROUTING_HEADROOM
+    expert = _dense_ffn_bytes(args, args.moe_inter_dim, 1, floor)
+    routed = k * headroom * (2 * 2 * args.dim + expert) / routed_split
+    shared = _dense_ffn_bytes(args, args.num_shared_experts * args.moe_inter_dim, tp, floor)
     return 4 * args.num_routed_experts + routed + shared
 
 
