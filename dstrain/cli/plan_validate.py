@@ -9,26 +9,57 @@ from rich.table import Table
 
 from dstrain.cli.common import print_json
 from dstrain.planner.memory import GiB
-from dstrain.planner.published import WITHIN, Prediction, load, predict, score
+from dstrain.planner.published import (
+    WITHIN,
+    Prediction,
+    leave_one_source_out,
+    load,
+    predict,
+    score,
+)
 
 
 def validate_command(args: argparse.Namespace, out: Console) -> int:
     predictions = [predict(run) for run in load()]
     total = score(predictions)
+    held_out = leave_one_source_out(predictions)
     if args.json:
-        print_json({"score": total.to_json(), "runs": [_row_json(p) for p in predictions]})
+        print_json(
+            {
+                "score": total.to_json(),
+                "leave_one_source_out": held_out,
+                "runs": [_row_json(p) for p in predictions],
+            }
+        )
         return 0
     out.print(_table(predictions))
+    out.print(_sources(held_out))
     n = total.count
     out.print(
         f"throughput: median error {_pct(total.throughput_median)}, "
         f"{_pct(total.throughput_within)} within {WITHIN:.0%} ({n['throughput']} runs); "
         f"peak memory: median error {_pct(total.memory_median)} ({n['memory']} runs); "
         f"bubble: mean error {total.bubble_mean:.3f} ({n['bubble']} runs); "
-        f"called impossible: {total.impossible} of {n['runs']}",
+        f"called impossible: {total.impossible} of {n['runs']}; 80 % ranges drawn from the "
+        f"other sources hold {_pct(held_out['range_coverage'])} of the runs",
         markup=False,
     )
     return 0
+
+
+def _sources(held_out: dict) -> Table:
+    table = Table(show_edge=False, title="by source (ranges drawn from the other sources)")
+    for column in ("source", "runs", "median error", "within 25 %", "in its 80 % range"):
+        table.add_column(column, justify="left" if column == "source" else "right")
+    for key, s in held_out["by_source"].items():
+        table.add_row(
+            key,
+            str(s["runs"]),
+            _pct(s["median_error"]),
+            _pct(s["within"]),
+            _pct(s["range_coverage"]),
+        )
+    return table
 
 
 def _row_json(p: Prediction) -> dict:

@@ -197,3 +197,32 @@ def test_check_plan_and_runtime_agree_on_what_is_legal(world, sets):
         [f.message for f in plan_errors],
         runtime_error,
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "extra", "within"),
+    [
+        ("zero1", [], 0.15),  # measured: estimate 1.08x the dry run's peak
+        ("dp8_ep4_zero1", [], 0.15),  # 1.07x
+        ("zero1", ["train.activation_checkpoint=full"], None),  # 1.55x: the fp32 logits term
+    ],
+)
+def test_the_activation_estimate_brackets_the_dry_runs_peak(name, extra, within):
+    """The planner's activation estimate against the dry run's measured activation peak (the
+    step on fake tensors, debug model, bf16): the floor (fused kernels, fused loss) lies below
+    what dstrain's eager step holds, the estimate above it, and without recompute close."""
+    from dstrain.planner.memory import activation_bytes
+
+    config = _config(
+        None, "train.precision=bf16", "train.global_batch_size=32", *SMALL[name], *extra
+    )
+    report = dry_run_rank(config, 8, 0, step=True)
+    args = resolve_model_args(config.model)
+    layout = layout_from_config(config, 8)
+    shape = next(s for s in rank_shapes(args, layout) if s.rank == report.coords["pp"])
+    measured = report.activation_peak_bytes
+    floor = activation_bytes(args, layout, shape, floor=True)
+    estimate = activation_bytes(args, layout, shape)
+    assert floor < measured <= estimate, (floor, measured, estimate)
+    if within is not None:
+        assert estimate / measured - 1 < within, (estimate, measured)
