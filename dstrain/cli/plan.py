@@ -24,9 +24,10 @@ max_seq_len), a global batch of 8 sequences per GPU. docs/planner.md gives every
 its source.
 
 --emit-config writes the evaluated layout (or the winner) as a config that dstrain check, train
-and deploy accept. --json prints fits, memory_gib_per_gpu, step_time_s, tokens_per_s,
-tokens_per_s_per_gpu, tflops_per_gpu, mfu, bubble_fraction, comm_exposed_fraction and layout
-(the winner's, in search mode, plus "ranked" and "alternatives").
+and deploy accept. --json prints fits, memory_verdict, memory_margin_gib, memory_gib_per_gpu
+(with its floor), legal, illegal_reasons, step_time_s, tokens_per_s, tokens_per_s_per_gpu (and
+its 80 % range), tflops_per_gpu, mfu, bubble_fraction, comm_exposed_fraction and layout (the
+winner's, in search mode, plus "ranked" and "alternatives").
 Memory is "fits", "tight" (the estimate is within 10 % of the device, or over it while its
 floor, with a fused loss and balanced routing, is not: the margin is printed) or "does not fit"
 (even the floor exceeds the device). An evaluated layout that dstrain's own trainer would refuse
