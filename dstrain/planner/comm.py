@@ -479,7 +479,7 @@ def _data_parallel(
     - 1 (FSDP2, gradient sync deferred to the last micro-batch): one all-gather of the
       parameters per step (param dtype: bf16, or fp32 when the trainer sets no param_dtype),
       in the first micro-batch's forward, and one reduce-scatter of the fp32 gradients, in the
-      last micro-batch's backward. ZeRO-2 under PP runs the same way (upstream's stages defer
+      last micro-batch's backward. ZeRO-2 and 3 under PP run the same way (upstream's stages defer
       the sync).
     - 2 (FSDP2, reshard_after_forward=False): per micro-batch, an all-gather in forward and a
       reduce-scatter in backward; FSDP2 reshards after every backward.
@@ -498,16 +498,19 @@ def _data_parallel(
     if zero == 0 or (axis == "edp" and ctx.layout.offload):
         return _ddp(ctx, axis, grads, units, backward_s / m), forward_s, backward_s
     units = max(units, 1)
-    rounds = 1 if zero == 1 or (zero == 2 and ctx.layout.pp > 1) else m
+    # Under PP the modules stay unsharded for the whole step (ZeRO-2 and 3 alike) and the
+    # gradient sync waits for the last micro-batch.
+    pipelined = ctx.layout.pp > 1
+    rounds = 1 if zero == 1 or pipelined else m
     gather = rounds * params * (2 if ctx.layout.precision == "bf16" else 4)
     fwd = ctx.time(axis, "all_gather", gather, rounds * units)
-    bwd_gather = fwd if zero == 3 else 0.0
+    bwd_gather = fwd if zero == 3 and not pipelined else 0.0
     reduce = ctx.time(axis, "reduce_scatter", rounds * grads, rounds * units)
     last = reduce / (rounds * units)  # one block's: the model is linear in bytes and calls
     bwd = bwd_gather + reduce
     fwd_window, bwd_window = forward_s * rounds / m, backward_s * rounds / m
     exposed = max(0.0, fwd - fwd_window) + min(bwd, max(0.0, bwd - bwd_window) + last)
-    nbytes = gather * (2 if zero == 3 else 1) + rounds * grads
+    nbytes = gather * (2 if bwd_gather else 1) + rounds * grads
     out = AxisComm(nbytes, fwd + bwd, exposed, link_kind(n, stride, ctx.cluster), n)
     return out, max(0.0, forward_s - fwd), max(0.0, backward_s - bwd)
 

@@ -10,7 +10,9 @@ DeepSeek-V3 report sec. 3.3.3), K = 8 bytes of Adam moments (4 in bf16):
     ZeRO-1         (4P/S + w P) + 4P + K P/S      weights gathered once per step, gradients
                                                    accumulated unsharded and reduced once
     ZeRO-2         (4P/S + w P) + 4P/S + K P/S    (under PP as ZeRO-1: the stages defer the sync)
-    ZeRO-3         4P/S + 4P/S + K P/S            (+ the largest layer gathered twice: overhead)
+    ZeRO-3         4P/S + 4P/S + K P/S            (+ the largest layer gathered twice: overhead;
+                                                   under PP as ZeRO-2: upstream's pipelining
+                                                   keeps the modules unsharded, as torchtitan)
 
 Offload keeps the sharded master weights, gradients and moments in host memory. The ZeRO
 paper's own accounting (Rajbhandari et al. 2020, sec. 3.1: 2 + 2 + 12 bytes, fp16 gradients) is
@@ -122,10 +124,12 @@ def model_state_bytes(
     k = moment_bytes(moments)
     if zero == 0:
         return MASTER_BYTES * params, GRAD_BYTES * params, k * params
-    gathered = gathered_bytes(precision) * params if zero <= 2 else 0.0
+    # Under PP, upstream's pipelining keeps FSDP modules unsharded for the whole step and defers
+    # the gradient sync (torchtitan's FSDP + PP): ZeRO-3 then holds what ZeRO-2 does.
+    gathered = gathered_bytes(precision) * params if zero <= 2 or pp > 1 else 0.0
     if offload:  # FSDP2's CPUOffloadPolicy: shards, their gradients and the step on the host
         return gathered, 0.0, 0.0
-    deferred = zero == 1 or (zero == 2 and pp > 1)
+    deferred = zero == 1 or (zero >= 2 and pp > 1)
     grads = GRAD_BYTES * params / (1 if deferred else shard)
     return MASTER_BYTES * params / shard + gathered, grads, k * params / shard
 
@@ -189,7 +193,7 @@ def _rank_memory(args: ModelArgs, layout: Layout, shape: RankShape) -> Memory:
     activations = activation_bytes(args, layout, shape)
     overhead = FIXED_OVERHEAD_BYTES + FRAGMENTATION * activations
     gathered = 0.0
-    if layout.zero >= 3:
+    if layout.zero >= 3 and layout.pp == 1:
         gathered = 2 * gathered_bytes(layout.precision) * _largest_layer_params(shape)
     # At the floor gradients accumulate and reduce in 16 bits where the weights train in
     # them (Megatron-LM's grad_reduce_in_fp32 = False; dstrain keeps them in fp32).

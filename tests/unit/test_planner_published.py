@@ -22,7 +22,7 @@ from tests.conftest import run_cli
 REGRESSION = {
     "throughput_median": 0.16,
     "throughput_within": 0.65,
-    "memory_median": 0.34,
+    "memory_median": 0.33,
     "bubble_mean": 0.017,
     "impossible": 4,
 }
