@@ -12,8 +12,11 @@ of steps (the warm-up, where the curves fall fastest): the mean and the largest 
 |fp8 - bf16| / bf16 of the smoothed curves, and the same for the other seed; and the final
 smoothed losses. `--png` draws the curves and the relative gap.
 
+`--locate` adds two runs with E4M3 on one side of every GEMM only (forward, or dgrad and wgrad)
+and bf16 rounding on the other, to say which side costs the loss.
+
 Usage: python benchmarks/fp8_convergence.py [--steps 300] [--window 20] [--png out.png]
-           [--set k=v ...]
+           [--set k=v ...] [--locate]
 """
 
 import argparse
@@ -100,11 +103,38 @@ def bf16_rounding():
     diagnostic only). The operands keep their 1x128 / 128x128 scales, so they are bf16 numbers
     times a scale; the GEMMs, chunking and autograd are unchanged."""
     original = fp8_kernels._cast
-    fp8_kernels._cast = lambda x_scaled: x_scaled.to(torch.bfloat16)
+    fp8_kernels._cast = _bf16
     try:
         yield
     finally:
         fp8_kernels._cast = original
+
+
+@contextlib.contextmanager
+def e4m3_only_in(direction: str):
+    """E4M3 in one direction of every FP8 GEMM, bf16 rounding in the other ("forward": the
+    backward's dgrad and wgrad operands round to bf16; "backward": the forward's do). Same
+    tiles, scales and chunking: it says which side of the recipe costs the loss."""
+    original_cast, original_backward = fp8_kernels._cast, fp8_kernels.Fp8Matmul.backward
+    outside, inside = (original_cast, _bf16) if direction == "forward" else (_bf16, original_cast)
+
+    def backward(ctx, grad_y):
+        fp8_kernels._cast = inside
+        try:
+            return original_backward(ctx, grad_y)
+        finally:
+            fp8_kernels._cast = outside
+
+    fp8_kernels._cast = outside
+    fp8_kernels.Fp8Matmul.backward = staticmethod(backward)
+    try:
+        yield
+    finally:
+        fp8_kernels._cast, fp8_kernels.Fp8Matmul.backward = original_cast, original_backward
+
+
+def _bf16(x_scaled: torch.Tensor) -> torch.Tensor:
+    return x_scaled.to(torch.bfloat16)
 
 
 def main() -> None:
@@ -113,6 +143,11 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=20)
     parser.add_argument("--png", type=Path)
     parser.add_argument("--set", action="append", default=[], dest="overrides")
+    parser.add_argument(
+        "--locate",
+        action="store_true",
+        help="also run E4M3 in the forward only and in the backward only",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -136,6 +171,12 @@ def main() -> None:
         with bf16_rounding():
             tiles, _ = run(root, "fp8_tiles_bf16", [*common, "train.precision=fp8"])
         seed, _ = run(root, "bf16_seed", [*common, "train.precision=bf16", "train.seed=7"])
+        located = {}
+        for direction in ("forward", "backward") if args.locate else ():
+            with e4m3_only_in(direction):
+                located[f"E4M3 in the {direction} only"], _ = run(
+                    root, f"fp8_{direction}", [*common, "train.precision=fp8"]
+                )
     skip = args.steps // 10
     curves = {
         name: smooth(v, args.window)
@@ -144,19 +185,14 @@ def main() -> None:
             ("fp8", fp8),
             ("fp8 path, bf16 rounding", tiles),
             ("bf16, seed 7", seed),
+            *located.items(),
         ]
     }
-    rel = {
-        "fp8 vs bf16": gaps(curves["fp8"], curves["bf16"], skip),
-        "fp8 path with bf16 rounding vs bf16": gaps(
-            curves["fp8 path, bf16 rounding"], curves["bf16"], skip
-        ),
-        "bf16 seed 7 vs bf16": gaps(curves["bf16, seed 7"], curves["bf16"], skip),
-    }
+    names = ("fp8", "fp8 path, bf16 rounding", "bf16, seed 7", *located)
+    rel = {f"{name} vs bf16": gaps(curves[name], curves["bf16"], skip) for name in names}
     print(f"CPU: {cpu_label()}; {args.steps} steps, moving average over {args.window}")
     print("| runs | mean rel. gap | largest rel. gap | final smoothed loss |")
     print("|---|---|---|---|")
-    names = ("fp8", "fp8 path, bf16 rounding", "bf16, seed 7")
     for (label, values), run_name in zip(rel.items(), names, strict=True):
         mean = sum(values) / len(values)
         print(
