@@ -159,7 +159,7 @@ def add_time(result: Estimate, args: ModelArgs, cluster: Cluster, consts: Consta
     busiest = max(range(len(shapes)), key=lambda i: times[i].total)
     shape, t = shapes[busiest], times[busiest]
     result.compute_s = m * t.total
-    result.bubble_fraction = _bubble(layout, t)
+    busiest_idle, result.bubble_fraction = _bubbles(layout, shapes, times, busiest)
     result.comm = comm_per_step(
         args,
         layout,
@@ -181,7 +181,7 @@ def add_time(result: Estimate, args: ModelArgs, cluster: Cluster, consts: Consta
     result.optimizer_s = optimizer_seconds(
         _updated_params(shape, layout), layout, cluster, consts.compute
     )
-    stretched = (result.compute_s + in_stage) / (1 - result.bubble_fraction)
+    stretched = (result.compute_s + in_stage) / (1 - busiest_idle)
     result.step_time_s = stretched + tail + result.optimizer_s
     result.model_flops_per_step = training_flops_per_token(args, layout.seq_len) * (
         layout.tokens_per_step
@@ -199,9 +199,29 @@ def _updated_params(shape: RankShape, layout: Layout) -> float:
     )
 
 
-def _bubble(layout: Layout, t: StageTimes) -> float:
-    if layout.pp == 1:
-        return 0.0
-    v = stages_per_rank(layout.schedule, layout.virtual_stages)
-    costs = Costs(t.forward / v, t.backward / v, t.weight / v)
-    return theoretical_bubble(layout.schedule, layout.pp, layout.microbatches, v, costs)
+def _bubbles(
+    layout: Layout, shapes: list[RankShape], times: list[StageTimes], busiest: int
+) -> tuple[float, float]:
+    """(the busiest rank's idle share of the pipeline's busy interval, the mean over the
+    pipeline ranks: what the trainer's pipeline timer measures as the bubble).
+
+    Stages differ: the first holds the embedding, the last the head and the MTP modules, and
+    layers split unevenly. Under gpipe and 1f1b the busy interval is that of a flow shop with a
+    bottleneck, sum of the ranks' micro-batch times + (m - 1) x the slowest's; with equal ranks
+    it is the closed form (m + p - 1) t. The other schedules take their closed form on the
+    busiest rank's F, B and W costs (`planner/bubble.py`), the others idling for the
+    difference. Ranks between the second and the last are like the second."""
+    p, m = layout.pp, layout.microbatches
+    if p == 1:
+        return 0.0, 0.0
+    by_rank = {shape.rank: t.total for shape, t in zip(shapes, times, strict=True)}
+    totals = [by_rank.get(r, by_rank[min(1, p - 1)]) for r in range(p - 1)] + [by_rank[p - 1]]
+    slowest = times[busiest]
+    if layout.schedule in ("gpipe", "1f1b"):
+        interval = sum(totals) + (m - 1) * max(totals)
+    else:
+        v = stages_per_rank(layout.schedule, layout.virtual_stages)
+        costs = Costs(slowest.forward / v, slowest.backward / v, slowest.weight / v)
+        closed = theoretical_bubble(layout.schedule, p, m, v, costs)
+        interval = m * slowest.total / (1 - closed)
+    return 1 - m * slowest.total / interval, 1 - m * sum(totals) / p / interval
