@@ -3,11 +3,13 @@ communication, from the memory, compute, communication and bubble models.
 
 Step time of the busiest pipeline rank (Narayanan et al. 2021, sec. 3):
 
-    step = (m x t_microbatch + exposed in-stage comm) / (1 - bubble) + exposed data-parallel comm
+    step = (m x t_microbatch + exposed in-stage comm) / (1 - b) + exposed data-parallel comm
            + optimizer step
 
-with t_microbatch its forward + backward (+ recompute) compute, the bubble from the schedule's
-closed form for the modelled F, B and W costs (`planner/bubble.py`), the in-stage communication
+with t_microbatch its forward + backward (+ recompute) compute, b its idle share of the
+pipeline's busy interval (`_bubbles`: a flow shop over the ranks' unequal stage times under
+gpipe and 1f1b, else the schedule's closed form for the modelled F, B and W costs,
+`planner/bubble.py`; the bubble reported is the mean over the ranks), the in-stage communication
 (TP, EP, PP, CP) stretched by the bubble like the compute it sits between, and the
 data-parallel tail after the pipeline drains, and AdamW's step over the rank's shard (memory-
 bound: `compute.optimizer_seconds`). MFU = model FLOPs per step (`model/flops.py`: the
@@ -68,9 +70,9 @@ class Estimate:
 
     @property
     def memory_verdict(self) -> str:
-        """ "does not fit" only when even the floor (`Memory.floor`) exceeds the device; "tight"
-        when the estimate is over, or within TIGHT of, the device while the floor is not;
-        else "fits"."""
+        """Memory's verdict: "does not fit" only when even the floor (`Memory.floor`) exceeds
+        the device; "tight" when the estimate is over, or within TIGHT of, the device while the
+        floor is not; else "fits"."""
         if self.memory.floor > self.hbm_bytes:
             return "does not fit"
         return "tight" if self.memory.peak > (1 - TIGHT) * self.hbm_bytes else "fits"
