@@ -4,23 +4,41 @@ import argparse
 
 from dstrain.cli.common import add_config_args, add_json_flag, console, positive_int, print_json
 from dstrain.config.ds_lint import IMPORT_RULES
-from dstrain.config.findings import Finding, has_errors
+from dstrain.config.findings import SEVERITIES, Finding, has_errors, has_unsupported
 from dstrain.config.load import load_config
 from dstrain.config.preflight import preflight
 from dstrain.config.rules import RULES
 from dstrain.errors import UserError
 
 _EPILOG = """\
-exit status: 0 clean or warnings only, 1 errors, 2 the input cannot be read.
+An imported config (DeepSpeed JSON, a Megatron-LM / Megatron-DeepSpeed launch script) answers
+two questions apart. First: would its own engine accept it, and what would it build? Then: can
+dstrain run it, and how does it map? Each finding has one level:
+
+  ERROR        the file's own engine refuses it (for a dstrain config: dstrain does); the fix
+               is named
+  UNSUPPORTED  the engine runs it, dstrain cannot yet ("runs under Megatron-LM; dstrain cannot
+               yet: ..."); `dstrain convert` still writes the mapping
+  WARNING      worth reading: likely a mistake, or a value the engine ignores or coerces
+  INFO         what was inferred or mapped, and what could not be resolved (a script's
+               variables set elsewhere are named, never guessed)
+
+`--json` prints the findings as a list of {severity, key, message, fix}; severity is the level.
+
+exit status:
+  0  accepted: warnings, notes and (unless --for dstrain) UNSUPPORTED findings only
+  1  errors: the engine (or dstrain, for its own config) would refuse it
+  2  the input cannot be read (a missing file, invalid JSON/TOML)
+  3  with --for dstrain: no errors, but dstrain cannot run it (UNSUPPORTED findings)
 
 The world size comes from --world-size, else --nodes x --gpus-per-node, else the config's
-cluster.nodes x cluster.gpus_per_node when set, else the product of explicit parallel degrees.
-DeepSpeed JSON configs (with Megatron keys such as tensor_model_parallel_size beside them) are
-converted first; every key is mapped or reported. `dstrain check --rules` lists the rules.
+cluster.nodes x cluster.gpus_per_node when set (#SBATCH / torchrun flags in a script), else the
+product of explicit parallel degrees. `dstrain check --rules` lists the rules.
 
 examples:
   dstrain check run.toml --world-size 16
   dstrain check ds_config.json --nodes 4 --gpus-per-node 8 --set model.flavor=deepseek-v3
+  dstrain check pretrain_gpt.sh --for dstrain      # exit 3 if only dstrain could not run it
   dstrain check run.toml --json | jq '.[] | select(.severity == "error")'
 """
 
@@ -42,6 +60,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--nodes", type=positive_int, metavar="N", help="nodes (with --gpus-per-node)"
     )
     parser.add_argument("--gpus-per-node", type=positive_int, metavar="G", help="ranks per node")
+    parser.add_argument(
+        "--for",
+        dest="judge",
+        choices=("engine", "dstrain"),
+        default="engine",
+        help="whose verdict sets the exit status for an imported file: `engine` (default: its "
+        "own engine's; what dstrain cannot run is reported, exit 0) or `dstrain` (exit 3 when "
+        "dstrain cannot run it)",
+    )
     parser.add_argument("--rules", action="store_true", help="list the rules and exit")
     add_json_flag(parser)
     parser.set_defaults(func=run)
@@ -62,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
             [{"severity": "error", "key": str(args.config), "message": exc.message, "fix": exc.fix}]
         )
         return exc.exit_code
-    world = world_size(args, loaded.config)
+    world = world_size(args, loaded.config, imported=loaded.engine is not None)
     findings = preflight(loaded, world)
     if args.json:
         print_json([f.as_dict() for f in findings])
@@ -73,38 +100,49 @@ def run(args: argparse.Namespace) -> int:
             "script": "launch script",
         }.get(loaded.source, "defaults")
         where = f"world size {world}" if world else "world size unknown"
-        print_findings(f"{args.config or 'defaults'} ({what}, {where})", findings)
-    return 1 if has_errors(findings) else 0
+        judged = f", judged as {loaded.engine} would" if loaded.engine else ""
+        print_findings(f"{args.config or 'defaults'} ({what}{judged}, {where})", findings)
+    return exit_status(findings, args.judge)
 
 
-def world_size(args: argparse.Namespace, config) -> int | None:
-    """--world-size, else --nodes x --gpus-per-node, else the config's cluster section."""
+def exit_status(findings: list[Finding], judge: str = "engine") -> int:
+    """0 accepted, 1 errors, 3 only dstrain cannot run it (asked with --for dstrain)."""
+    if has_errors(findings):
+        return 1
+    return 3 if judge == "dstrain" and has_unsupported(findings) else 0
+
+
+def world_size(args: argparse.Namespace, config, imported: bool = False) -> int | None:
+    """--world-size, else --nodes x --gpus-per-node, else the config's cluster section. An
+    imported file must give both halves itself (a script's `--nnodes 2` with a GPU count from
+    `$(nvidia-smi ...)` has no world size; dstrain's default of 8 per node would be a guess)."""
     if args.world_size:
         return args.world_size
     if args.nodes or args.gpus_per_node:
         return (args.nodes or 1) * (args.gpus_per_node or config.cluster.gpus_per_node)
     cluster = config.cluster
-    if {"nodes", "gpus_per_node"} & cluster.model_fields_set:
+    given = {"nodes", "gpus_per_node"} & cluster.model_fields_set
+    if given == {"nodes", "gpus_per_node"} or (given and not imported):
         return cluster.nodes * cluster.gpus_per_node
     return None
 
 
-_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
+_STYLE = {"error": "bold red", "unsupported": "magenta", "warning": "yellow", "info": "cyan"}
 
 
 def print_findings(title: str, findings: list[Finding]) -> None:
     out = console()
     out.print(f"dstrain check: {title}", markup=False)
-    order = {"error": 0, "warning": 1, "info": 2}
-    for f in sorted(findings, key=lambda f: order[f.severity]):
-        out.print(f"  {f.severity.upper():7} ", style=_STYLE[f.severity], end="")
+    for f in sorted(findings, key=lambda f: SEVERITIES.index(f.severity)):
+        out.print(f"  {f.severity.upper():11} ", style=_STYLE[f.severity], end="")
         out.print(f"{f.key}: {f.message}", markup=False)
         if f.fix:
-            out.print(f"          fix: {f.fix}", markup=False, style="dim")
-    counts = {s: sum(f.severity == s for f in findings) for s in order}
+            out.print(f"              fix: {f.fix}", markup=False, style="dim")
+    counts = {s: sum(f.severity == s for f in findings) for s in SEVERITIES}
     verdict = "FAIL" if counts["error"] else "OK"
+    cannot = f", {counts['unsupported']} dstrain cannot run yet" if counts["unsupported"] else ""
     out.print(
-        f"{verdict}: {counts['error']} error(s), {counts['warning']} warning(s), "
+        f"{verdict}: {counts['error']} error(s){cannot}, {counts['warning']} warning(s), "
         f"{counts['info']} note(s)",
         style="bold red" if counts["error"] else "bold green",
     )

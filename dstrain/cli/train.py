@@ -2,8 +2,10 @@
 the embedded corpus, on CPU)."""
 
 import argparse
+import json
 import os
 from dataclasses import asdict
+from pathlib import Path
 
 from dstrain.cli.common import add_config_args, console, non_negative_int, positive_int, print_json
 from dstrain.cli.dry_run import add_dry_run_args, dry_run_world, run_dry
@@ -138,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
             "(--fresh to start over, or raise train.steps)",
             markup=False,
         )
+        if args.json and trainer.world.is_main:
+            print_json(_finished_summary(trainer.run_dir, trainer.step))
         return 0
     summary = trainer.train()
     if not trainer.world.is_main:
@@ -164,8 +168,21 @@ def _step_range(text: str) -> str:
     return text
 
 
+def _finished_summary(run_dir: Path, step: int) -> dict:
+    """What a script asking for JSON gets from a run that is already complete: the summary the
+    run wrote when it finished (none if it was cut short before writing one)."""
+    path = run_dir / "summary.json"
+    try:
+        written = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        written = {}
+    return written | {"run_dir": str(run_dir), "already_complete": True, "step": step}
+
+
 def _worker_argv(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     argv = [str(args.config)] if args.config else []
     for override in overrides:
         argv += ["--set", override]
+    if args.json:  # rank 0 prints the summary; the launcher's own output is on stderr
+        argv.append("--json")
     return argv

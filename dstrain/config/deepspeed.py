@@ -7,7 +7,7 @@ Megatron-style keys that people put beside DeepSpeed's are mapped by `megatron.p
 from typing import Any
 
 from dstrain.config import ds_lint, megatron
-from dstrain.config.findings import error, info, warning
+from dstrain.config.findings import Finding, error, info, warning
 from dstrain.config.imported import AUTO, Imported, as_bool, as_float, as_int
 
 # Keys DeepSpeed accepts that change nothing in dstrain, with the reason shown to the user.
@@ -367,13 +367,21 @@ def _batch_findings(raw: dict[str, Any], out: Imported) -> None:
             )
         )
     if raw.get("train_batch_size") == AUTO and "gradient_accumulation_steps" not in raw:
+        # A warning, not an error: whether it fails depends on the launcher, not on the file.
+        # The HF Trainer fills train_batch_size = micro x its --gradient_accumulation_steps x
+        # world size, and leaves an absent gradient_accumulation_steps absent
+        # (transformers/integrations/deepspeed.py, `fill_match` skips keys the file lacks);
+        # the run then reaches DeepSpeed with an accumulation of 1 (codealpaca#14: "256 !=
+        # 8 * 1 * 8"), which passes only when the Trainer does not accumulate (DeepSpeed#3654's
+        # config of this shape trained).
         out.findings.append(
-            error(
+            warning(
                 "gradient_accumulation_steps",
                 "train_batch_size is `auto` but gradient_accumulation_steps is missing: the HF "
                 "Trainer fills train_batch_size = micro x its --gradient_accumulation_steps x "
-                "world size, DeepSpeed takes the missing key as 1, and its batch assertion fails "
-                "as soon as you accumulate (train_batch_size != micro x 1 x world size)",
+                "world size but not the missing key, so DeepSpeed runs with an accumulation of "
+                "1 and its batch check (`train_batch_size is not equal to micro_batch_per_gpu * "
+                "gradient_acc_step * world_size`) fails whenever the Trainer accumulates",
                 'add "gradient_accumulation_steps": "auto"',
             )
         )
@@ -381,11 +389,19 @@ def _batch_findings(raw: dict[str, Any], out: Imported) -> None:
 
 def _precision_findings(raw: dict[str, Any], out: Imported) -> None:
     fp16, bf16 = raw.get("fp16"), raw.get("bf16")
-    fp16_on = isinstance(fp16, dict) and fp16.get("enabled") is True
-    bf16_on = isinstance(bf16, dict) and bf16.get("enabled") is True
+    for key, section in (("fp16", fp16), ("bf16", bf16)):
+        if isinstance(section, dict):
+            out.findings.extend(_string_switch(f"{key}.enabled", section.get("enabled")))
+    fp16_on = isinstance(fp16, dict) and _deepspeed_true(fp16.get("enabled"))
+    bf16_on = isinstance(bf16, dict) and _deepspeed_true(bf16.get("enabled"))
     if fp16_on and bf16_on:
         out.findings.append(
-            error("fp16.enabled", "fp16 and bf16 are both enabled", "enable exactly one of them")
+            error(
+                "fp16.enabled",
+                "fp16 and bf16 are both enabled (DeepSpeed asserts: `bfloat16 and fp16 modes "
+                "cannot be simultaneously enabled`)",
+                "enable exactly one of them",
+            )
         )
     uses_auto = any(v == AUTO for v in _leaves(raw))
     if fp16_on and uses_auto:
@@ -398,6 +414,42 @@ def _precision_findings(raw: dict[str, Any], out: Imported) -> None:
                 'set fp16.enabled (and bf16.enabled) to "auto" so the launcher decides',
             )
         )
+
+
+_FALSE_WORDS = ("false", "0", "no", "off", "")
+
+
+def _deepspeed_true(value: Any) -> bool:
+    """How DeepSpeed reads fp16/bf16 `enabled`: the raw JSON value's truth (get_fp16_enabled and
+    get_bfloat16_enabled in deepspeed/runtime/config.py return it through get_scalar_param, a
+    plain dict.get), so any non-empty string is on. `auto` is the HF Trainer's to replace."""
+    return value != AUTO and bool(value)
+
+
+def _string_switch(key: str, value: Any) -> list[Finding]:
+    """`enabled` given as a string. DeepSpeed takes any non-empty one as true, so "false" turns
+    the mode on; "true" works there, but the HF integration compares it with the Trainer's
+    boolean (`fill_match`) and reports a mismatch."""
+    if not isinstance(value, str) or value == AUTO:
+        return []
+    if value.strip().lower() in _FALSE_WORDS and value:
+        return [
+            error(
+                key,
+                f'`{key}` is the string "{value}": DeepSpeed reads any non-empty string as '
+                "true, so this turns the mode on",
+                'write `"enabled": false` (a JSON boolean, no quotes), or "auto"',
+            )
+        ]
+    return [
+        warning(
+            key,
+            f'`{key}` is the string "{value}", not a JSON boolean: DeepSpeed takes it as true, '
+            "but the HF Trainer's check compares it with its own boolean and refuses the mismatch",
+            f"write `{'true' if value.strip().lower() == 'true' else 'a JSON boolean'}` without "
+            'quotes, or "auto"',
+        )
+    ]
 
 
 def _leaves(node: Any) -> list[Any]:

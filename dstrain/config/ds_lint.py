@@ -14,7 +14,7 @@ from dstrain.config.ds_keys import (
     DS_SECTION_KEYS,
     DS_TOP_LEVEL,
 )
-from dstrain.config.findings import Finding, error, warning
+from dstrain.config.findings import Finding, error, info, warning
 from dstrain.config.suggest import closest
 
 REJECTED_OPTIMIZER_PARAMS = DS_REJECTED_OPTIMIZER_PARAMS
@@ -77,6 +77,15 @@ _LEGACY = {
 _ONE_BIT = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
 
 
+# Keys of the tools around DeepSpeed that users put in its JSON, where DeepSpeed ignores them.
+_NEIGHBOUR_KEYS = {
+    "zero3_init_flag": "an Accelerate config key (accelerate config's deepspeed_config section)",
+    "zero3_save_16bit_model": "an Accelerate config key (accelerate config's deepspeed_config)",
+    "dist_init_required": "an argument of deepspeed.initialize(), not of its config",
+    "deepspeed_multinode_launcher": "an Accelerate config key (the multi-node launcher)",
+}
+
+
 def top_level_keys() -> frozenset[str]:
     return DS_TOP_LEVEL
 
@@ -100,8 +109,21 @@ def _top_level_key(key: str) -> list[Finding]:
         return []
     if key in DS_DEPRECATED:
         return [_deprecated(key)]
+    if key in _NEIGHBOUR_KEYS:
+        return [info(key, f"not a DeepSpeed key, ignored by DeepSpeed: {_NEIGHBOUR_KEYS[key]}")]
+    # DeepSpeed reads each top-level key with a plain dict.get (get_scalar_param in
+    # deepspeed/runtime/config_utils.py) and never looks at the others: an unknown one is
+    # ignored, so it is a warning (a typo still names the key it was meant to be). The sections
+    # are pydantic models with extra="forbid" (DeepSpeedConfigModel): unknown keys there fail.
     vocabulary = set(DS_TOP_LEVEL) | megatron.known_keys()
-    return [_unknown(key, key, "the top level", vocabulary)]
+    finding = _unknown(key, key, "the top level", vocabulary)
+    return [
+        warning(
+            finding.key,
+            f"{finding.message}; DeepSpeed ignores unknown top-level keys, so it has no effect",
+            finding.fix,
+        )
+    ]
 
 
 def _section_keys(section: str, node: dict[str, Any]) -> list[Finding]:
@@ -210,18 +232,20 @@ def _engine_combinations(raw: dict[str, Any]) -> list[Finding]:
                 "with ZeRO",
             )
         )
-    # Stage 3 with PP is refused by dstrain's own rule too (rules.rule_zero); stage 2 is legal in
-    # dstrain but not in DeepSpeed, so only that case needs saying here.
+    # deepspeed/runtime/pipe/engine.py, PipelineEngine.__init__: `assert
+    # self.zero_optimization_stage() < ZeroStageEnum.gradients, "ZeRO-2 and ZeRO-3 are
+    # incompatible with pipeline parallelism"`. A DeepSpeed JSON with pipeline stages (its own
+    # `pipeline.stages`, or Megatron-DeepSpeed's pipeline size beside it) runs that engine.
     pp = raw.get("pipeline_model_parallel_size") or _lookup(raw, "pipeline.stages")
-    if isinstance(pp, int) and pp > 1 and stage == 2:
+    if isinstance(pp, int) and pp > 1 and stage in (2, 3):
         findings.append(
             error(
                 "zero_optimization.stage",
                 f"ZeRO stage {stage} with pipeline parallelism ({pp} stages): DeepSpeed's "
-                "PipelineEngine asserts ZeRO stage < 2 (gradients and parameters cannot be "
-                "partitioned across micro-batches)",
+                "PipelineEngine asserts `ZeRO-2 and ZeRO-3 are incompatible with pipeline "
+                "parallelism`",
                 "use stage 1 (or 0) with pipeline parallelism in DeepSpeed; dstrain itself runs "
-                "ZeRO-2 with PP (`dstrain convert` this file)",
+                "ZeRO-2 with PP (`dstrain convert` this file, then set parallel.zero_stage = 2)",
             )
         )
     return findings

@@ -1,14 +1,22 @@
-"""A finding is one thing `check` has to say: its severity, the key it is about, and the fix."""
+"""A finding is one thing `check` has to say: its severity, the key it is about, and the fix.
 
-from dataclasses import asdict, dataclass
+An imported config (DeepSpeed JSON, a Megatron launch script) answers two questions apart:
+would its own engine accept it, and can dstrain run it. `error` answers the first (the engine,
+or for dstrain's own file dstrain, refuses it); `unsupported` the second (the engine runs it,
+dstrain cannot yet).
+"""
+
+from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
-Severity = Literal["error", "warning", "info"]
+Severity = Literal["error", "unsupported", "warning", "info"]
+SEVERITIES: tuple[Severity, ...] = ("error", "unsupported", "warning", "info")
 
 
 @dataclass(frozen=True)
 class Finding:
-    """`error` stops a launch, `warning` is worth reading, `info` says what was inferred."""
+    """`error` stops a launch, `unsupported` is what dstrain cannot run of a config its own
+    engine accepts, `warning` is worth reading, `info` says what was inferred."""
 
     severity: Severity
     key: str
@@ -23,6 +31,14 @@ class Finding:
         if not self.trainer_limit:
             del out["trainer_limit"]
         return out
+
+    def as_unsupported(self, engine: str) -> "Finding":
+        """This trainer limit, said of a config that `engine` runs."""
+        return replace(
+            self,
+            severity="unsupported",
+            message=f"runs under {engine}; dstrain cannot yet: {self.message}",
+        )
 
 
 def error(key: str, message: str, fix: str = "") -> Finding:
@@ -44,3 +60,7 @@ def info(key: str, message: str, fix: str = "") -> Finding:
 
 def has_errors(findings: list[Finding]) -> bool:
     return any(f.severity == "error" for f in findings)
+
+
+def has_unsupported(findings: list[Finding]) -> bool:
+    return any(f.severity == "unsupported" for f in findings)

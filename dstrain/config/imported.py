@@ -25,6 +25,9 @@ class Imported:
     origins: dict[str, str] = field(default_factory=dict)
     samples: dict[str, int] = field(default_factory=dict)  # Megatron *_samples, until steps
     current: str = ""  # the foreign key being mapped; the default origin of `set`
+    # The engine whose semantics the file is judged by first: DeepSpeed, Megatron-LM or
+    # Megatron-DeepSpeed (the launch script's program and flags say which).
+    engine: str = "DeepSpeed"
 
     def set(self, dotted: str, value: Any, source: str | None = None) -> None:
         self.origins[dotted] = source or self.current

@@ -4,7 +4,10 @@ Large runs are often described only by their launch script: shell variables, Meg
 (`--tensor-model-parallel-size $TP_SIZE`), a DeepSpeed JSON written by a heredoc, and `#SBATCH`
 lines that fix the node count. This module expands the variables the script assigns itself,
 collects the Megatron flags and the heredoc JSON, and reads the cluster shape, so `check` judges
-the run the script would launch. It does not run the script: `$(...)` stays unresolved.
+the run the script would launch. It does not run the script, so what comes from elsewhere stays
+unresolved and is named, never guessed: variables the script does not assign (set in the
+environment, a sourced file or a wrapper), positional arguments (`$1`, `$@`), command output
+(`$(nproc)`, backticks) and sourced files. A flag or JSON value built on one is left unchecked.
 """
 
 import json
@@ -22,6 +25,11 @@ SCRIPT_SUFFIXES = {".sh", ".bash", ".slurm", ".sbatch"}
 
 _ASSIGN = re.compile(r"^\s*(?:export\s+|local\s+|declare\s+(?:-\w+\s+)?)?([A-Za-z_]\w*)=(.*)$")
 _VAR = re.compile(r"\$\{([A-Za-z_]\w*)(?::?-([^}]*))?\}|\$([A-Za-z_]\w*)")
+_POSITIONAL = re.compile(r"\$\{?([0-9@*#])\}?")
+_COMMAND = re.compile(r"\$\((?!\()([^()]*(?:\([^()]*\)[^()]*)*)\)|`([^`]*)`")
+_SOURCE = re.compile(r"^\s*(?:source|\.)\s+(\S+)")
+# What an unresolved reference expands to: one shell word, recognisable in flag and JSON values.
+_PLACEHOLDER = re.compile(r"<\?([^<>\s]+)>")
 _HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?")
 _ARITH = re.compile(r"\$\(\(([^()]*)\)\)")
 _GPU_NAMES = {"a100": "A100-80GB", "h100": "H100", "h800": "H800", "h200": "H200", "v100": "V100"}
@@ -37,7 +45,12 @@ class ScriptFacts:
     nodes: int | None = None
     gpus_per_node: int | None = None
     gpu: str | None = None
-    unresolved: set[str] = field(default_factory=set)
+    unresolved: set[str] = field(default_factory=set)  # variables the script does not assign
+    defaulted: dict[str, str] = field(default_factory=dict)  # ${VAR:-default}: the default used
+    positional: set[str] = field(default_factory=set)  # $1, $@: the script's own arguments
+    commands: set[str] = field(default_factory=set)  # $(...) and `...` whose output is unknown
+    sourced: list[str] = field(default_factory=list)  # files read with `source` / `.`
+    unchecked: dict[str, str] = field(default_factory=dict)  # flag -> the text it could not get
 
 
 def looks_like_script(suffix: str, text: str) -> bool:
@@ -50,6 +63,9 @@ def read_launch_script(text: str) -> ScriptFacts:
     variables = _slurm_variables(lines, facts)
     body: list[str] = []
     for line in lines:
+        if source := _SOURCE.match(line):
+            facts.sourced.append(source.group(1))
+            continue
         match = _ASSIGN.match(line)
         if match:
             value = _expand(_unquote(match.group(2)), variables, facts)
@@ -129,6 +145,8 @@ def _expand(text: str, variables: dict[str, str], facts: ScriptFacts) -> str:
     for _ in range(10):  # nested references: A="$B", B="$C"
         expanded = _VAR.sub(lambda m: _lookup(m, variables, facts), text)
         expanded = _ARITH.sub(lambda m: _arithmetic(m, variables), expanded)
+        expanded = _COMMAND.sub(lambda m: _command(m, facts), expanded)
+        expanded = _POSITIONAL.sub(lambda m: _positional(m, facts), expanded)
         if expanded == text:
             break
         text = expanded
@@ -140,9 +158,22 @@ def _lookup(match: re.Match[str], variables: dict[str, str], facts: ScriptFacts)
     if name in variables:
         return variables[name]
     if match.group(2) is not None:
+        facts.defaulted[name] = match.group(2)  # the environment may set another
         return match.group(2)
     facts.unresolved.add(name)
-    return f"<{name}>"
+    return f"<?{name}>"
+
+
+def _command(match: re.Match[str], facts: ScriptFacts) -> str:
+    command = (match.group(1) or match.group(2) or "").strip()
+    facts.commands.add(command)
+    word = re.sub(r"[^\w.-]+", "_", command)[:40]
+    return f"<?output-of:{word}>"
+
+
+def _positional(match: re.Match[str], facts: ScriptFacts) -> str:
+    facts.positional.add(f"${match.group(1)}")
+    return f"<?arg{match.group(1)}>"
 
 
 def _arithmetic(match: re.Match[str], variables: dict[str, str]) -> str:
@@ -161,6 +192,9 @@ def _arithmetic(match: re.Match[str], variables: dict[str, str]) -> str:
 def _read_heredoc(doc: str, facts: ScriptFacts) -> None:
     if not doc.lstrip().startswith("{"):
         return
+    # An unresolved value (`"train_batch_size": $GBS` with GBS set elsewhere) is not a JSON
+    # error of the user's: it becomes a string that `import_launch_script` leaves unchecked.
+    doc = re.sub(r'([:\[,]\s*)(<\?[^<>\s"]+>)', r'\1"\2"', doc)
     try:
         data = json.loads(doc)
     except json.JSONDecodeError as exc:
@@ -214,14 +248,17 @@ def import_launch_script(text: str) -> Imported:
     """The script's DeepSpeed JSON and Megatron flags, mapped like a DeepSpeed file, plus the
     cluster shape; flags of other programs (srun, torchrun) are listed once, not dropped."""
     facts = read_launch_script(text)
-    raw = dict(facts.deepspeed or {})
+    raw = _resolved(dict(facts.deepspeed or {}), "", facts)
     others = []
     for name, value in facts.flags.items():
-        if megatron.is_megatron_key(name):
+        if isinstance(value, str) and _PLACEHOLDER.search(value):
+            facts.unchecked[f"--{name.replace('_', '-')}"] = value
+        elif megatron.is_megatron_key(name):
             raw.setdefault(name, value)
         else:
             others.append(f"--{name}")
     out = from_deepspeed(raw)
+    out.engine = _engine(facts)
     if facts.deepspeed_error:
         out.findings.append(
             error(
@@ -239,12 +276,68 @@ def import_launch_script(text: str) -> Imported:
             out.set(f"cluster.{key}", value, "#SBATCH")
     if others:
         out.findings.append(info("script", f"flags of other programs, ignored: {' '.join(others)}"))
-    if facts.unresolved:
-        out.findings.append(
+    out.findings.extend(_unresolved_notes(facts))
+    return out
+
+
+def _engine(facts: ScriptFacts) -> str:
+    """Megatron-DeepSpeed when the script hands Megatron a DeepSpeed config (`--deepspeed`,
+    `--deepspeed_config`, a heredoc JSON); Megatron-LM otherwise."""
+    flags = facts.flags
+    if facts.deepspeed is not None or {"deepspeed", "deepspeed_config"} & set(flags):
+        return "Megatron-DeepSpeed"
+    return "Megatron-LM"
+
+
+def _resolved(node: dict[str, Any], prefix: str, facts: ScriptFacts) -> dict[str, Any]:
+    """The heredoc JSON without the values an unresolved reference stands in for."""
+    kept: dict[str, Any] = {}
+    for key, value in node.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            kept[key] = _resolved(value, f"{dotted}.", facts)
+        elif isinstance(value, str) and _PLACEHOLDER.search(value):
+            facts.unchecked[dotted] = value
+        else:
+            kept[key] = value
+    return kept
+
+
+def _unresolved_notes(facts: ScriptFacts) -> list:
+    """One note per kind of value the script takes from elsewhere, naming each."""
+    notes = []
+    if facts.unchecked:
+        shown = ", ".join(
+            f"{key} {_PLACEHOLDER.sub(lambda m: '$' + m.group(1), value)}"
+            for key, value in sorted(facts.unchecked.items())
+        )
+        notes.append(
             info(
                 "script",
-                f"variables the script does not assign (left unresolved): "
-                f"{', '.join(sorted(facts.unresolved))}",
+                f"not checked, their values come from outside the script: {shown}",
+                "pass the values with --set (e.g. --set parallel.tp=8), or check the script "
+                "with the variables assigned",
             )
         )
-    return out
+    sources = [
+        (
+            facts.unresolved,
+            "variables the script does not assign (set in the environment or by a caller)",
+        ),
+        (facts.positional, "the script's own arguments (a wrapper passes them)"),
+        (facts.commands, "command output, which check does not run"),
+        (set(facts.sourced), "files the script sources, which check does not read"),
+    ]
+    for names, what in sources:
+        if names:
+            notes.append(info("script", f"unresolved, {what}: {', '.join(sorted(names))}"))
+    if facts.defaulted:
+        shown = ", ".join(f"{k}={v}" for k, v in sorted(facts.defaulted.items()))
+        notes.append(
+            info(
+                "script",
+                f"took the script's own defaults (${{VAR:-default}}) for {shown}; the "
+                "environment it runs in may set others",
+            )
+        )
+    return notes

@@ -31,6 +31,7 @@ class LoadedConfig:
     model_given: bool = True
     virtual_layers_per_stage: int | None = None
     origins: dict[str, str] = field(default_factory=dict)  # dstrain key -> the file's own key
+    engine: str | None = None  # the foreign engine an imported file is judged by; None = ours
 
 
 def detect_source(raw: dict[str, Any]) -> Source:
@@ -61,6 +62,7 @@ def load_config(path: Path | None, overrides: list[str] | None = None) -> Loaded
         imported.model_given or any(k.startswith("model.") for k in keys),
         imported.virtual_layers_per_stage,
         imported.origins,
+        imported.engine if source in ("deepspeed", "script") else None,
     )
 
 

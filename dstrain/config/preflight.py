@@ -21,7 +21,25 @@ def preflight(loaded: LoadedConfig, world_size: int | None) -> list[Finding]:
     _apply_virtual_layers(loaded, model, findings)
     target = CheckTarget(loaded.config, world_size, model, _gpu(loaded))
     findings.extend(_in_users_words(run_rules(target), loaded.origins))
+    if loaded.engine:
+        findings = _second_question(findings, loaded.engine)
     return findings
+
+
+def _second_question(findings: list[Finding], engine: str) -> list[Finding]:
+    """An imported config is judged by its own engine first: what only dstrain's trainer refuses
+    is `unsupported` (the engine runs it), not an error, and is not said again of a key the
+    engine's own rules already refuse."""
+    refused = {f.key for f in findings if f.severity == "error" and not f.trainer_limit}
+    refused |= {f.key.split(" (", 1)[0] for f in findings if f.key in refused}
+    out = []
+    for f in findings:
+        if f.severity == "error" and f.trainer_limit:
+            if f.key in refused or f.key.split(" (", 1)[0] in refused:
+                continue
+            f = f.as_unsupported(engine)
+        out.append(f)
+    return out
 
 
 def _in_users_words(findings: list[Finding], origins: dict[str, str]) -> list[Finding]:

@@ -7,9 +7,12 @@ Precedence: `--set section.key=value` on the command line > the config file > th
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from dstrain.config.model_args import ModelArgs
+
+# Pipeline schedules that place two stages on each rank in a V (stages r and 2pp-1-r).
+V_SHAPED = ("zbv", "dualpipev")
 
 
 class Section(BaseModel):
@@ -125,7 +128,8 @@ class ParallelConfig(Section):
         1,
         ge=1,
         description="Model chunks (stages) per pipeline rank: 1 for gpipe/1f1b, >=2 for "
-        "interleaved-1f1b, exactly 2 for zbv/dualpipev.",
+        "interleaved-1f1b, exactly 2 for zbv/dualpipev (left unset, a V-shaped schedule "
+        "implies 2).",
     )
     num_microbatches: int | None = Field(
         None,
@@ -147,6 +151,14 @@ class ParallelConfig(Section):
         "pp x num_virtual_stages, the last stage trimmed at least as much as the first (61 "
         "layers on 16 stages: first 3, last 2, the others 4).",
     )
+
+    @model_validator(mode="after")
+    def _v_shape_implies_two_stages(self) -> "ParallelConfig":
+        """A V-shaped schedule has exactly 2 stages per rank, so leaving the count unset means 2
+        (written to __dict__ so that it stays unset: an explicit other value is still an error)."""
+        if self.pp_schedule in V_SHAPED and "num_virtual_stages" not in self.model_fields_set:
+            self.__dict__["num_virtual_stages"] = 2
+        return self
 
 
 class LossScaleConfig(Section):

@@ -32,8 +32,9 @@ def build_config(data: dict[str, Any]) -> tuple[DstrainConfig, list[Finding]]:
 
 
 def raise_if_errors(findings: list[Finding]) -> None:
-    """For commands that cannot run on a broken config: every error in one UserError (exit 1)."""
-    errors = [f for f in findings if f.severity == "error"]
+    """For commands that cannot run on a broken config: every error in one UserError (exit 1).
+    They run it in dstrain, so what only dstrain cannot run (`unsupported`) stops them too."""
+    errors = [f for f in findings if f.severity in ("error", "unsupported")]
     if errors:
         lines = "\n".join(f"  {f.key}: {f.message}" for f in errors)
         raise UserError(

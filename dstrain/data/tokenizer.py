@@ -10,6 +10,7 @@ import itertools
 import os
 import sys
 import tempfile
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -98,7 +99,9 @@ class BPETokenizer(Tokenizer):
             vocab_size=vocab_size,
             special_tokens=[EOS_TOKEN],
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
+            # The Rust trainer's own bars (pre-processing, counting pairs, merges) on a
+            # terminal; a log file gets the start and end lines of `load_tokenizer` instead.
+            show_progress=sys.stderr.isatty(),
         )
         # A list, not a generator: errors while reading the corpus (UserError) then surface
         # from our own code instead of from inside the Rust trainer.
@@ -165,8 +168,14 @@ def build_tokenizer(kind: str, vocab_size: int, corpus: Corpus, cache_dir: Path)
         file=sys.stderr,
     )
     texts = (as_text(d) if corpus.chat else d for d in corpus.documents())
+    started = time.perf_counter()
     tokenizer = BPETokenizer.train(texts, vocab_size, name)
     tokenizer.save(path)
+    print(
+        f"dstrain: trained the BPE ({tokenizer.vocab_size} ids) in "
+        f"{time.perf_counter() - started:,.1f} s",
+        file=sys.stderr,
+    )
     return tokenizer
 
 

@@ -3,10 +3,9 @@ the trainer (`parallel/pipeline.py`, which builds the stages) and the planner (w
 """
 
 from dstrain.config.model_args import ModelArgs
+from dstrain.config.schema import V_SHAPED
 from dstrain.errors import UserError
 from dstrain.model.flops import stage_forward_flops_per_token
-
-V_SHAPED = ("zbv", "dualpipev")
 
 
 def stage_indices(schedule: str, pp: int, virtual_stages: int, rank: int) -> list[int]:

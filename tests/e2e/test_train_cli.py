@@ -90,8 +90,10 @@ def test_a_run_leaves_its_directory_and_learns(corpus, cache, tmp_path):
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-40"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 40 and summary["tokens_per_s"] > 0
-    again = _train(corpus, cache, tmp_path, "--set", "train.steps=40")
+    again = _train(corpus, cache, tmp_path, "--set", "train.steps=40", "--json")
     assert again.code == 0 and "already complete at step 40" in again.err
+    done = json.loads(again.out)  # stdout is the JSON alone; the notes are on stderr
+    assert done["already_complete"] and done["steps"] == 40 and done["run_dir"] == str(run)
 
 
 def test_resume_is_bit_identical(corpus, cache, tmp_path):

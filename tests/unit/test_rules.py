@@ -118,18 +118,13 @@ def test_dualpipev_needs_microbatches_for_every_stage():
 
 def test_v_shaped_schedules_need_exactly_two_stages_per_rank():
     for schedule in ("zbv", "dualpipev"):
-        bad = errors(*PP2, f"parallel.pp_schedule={schedule}", "train.grad_accum_steps=8", world=2)
+        base = (*PP2, f"parallel.pp_schedule={schedule}", "train.grad_accum_steps=8")
+        bad = errors(*base, "parallel.num_virtual_stages=3", world=2)
         assert "V-shaped" in bad["parallel.num_virtual_stages"]
-        assert (
-            errors(
-                *PP2,
-                f"parallel.pp_schedule={schedule}",
-                "parallel.num_virtual_stages=2",
-                "train.grad_accum_steps=8",
-                world=2,
-            )
-            == {}
-        )
+        assert errors(*base, "parallel.num_virtual_stages=2", world=2) == {}
+        # Left unset, the V implies its 2 stages per rank.
+        assert errors(*base, world=2) == {}
+        assert load_config(None, list(base)).config.parallel.num_virtual_stages == 2
 
 
 def test_interleaved_needs_several_stages_and_whole_rounds():
