@@ -37,7 +37,7 @@ from dstrain.checkpoint.resume import architecture_changes
 from dstrain.checkpoint.store import CheckpointSaveError, CheckpointWriter
 from dstrain.config.schema import CheckpointConfig
 from dstrain.errors import UserError
-from dstrain.train.progress import log
+from dstrain.train.progress import bytes_under, log, waiting
 
 # Optimizer state keyed per parameter name ("param_groups.layers.3.wq.weight.lr"): with nested
 # param_groups, DCP keeps one rank's list, which under PP names only that rank's parameters.
@@ -164,7 +164,13 @@ class TrainCheckpoints:
             if kind == "full"
             else model_state(self.model)
         )
-        self._guarded(lambda: self.writer.save(step, state, meta, kind))
+        where = self.folder if kind == "full" else self.folder / "model"
+        what = f"saving checkpoint step-{step}"
+        if self.writer.async_save:
+            what += " (staging; the write goes on in the background)"
+        written = bytes_under(where, f".step-{step}.tmp", f"step-{step}")
+        with waiting(what, written, show=self.is_main):
+            self._guarded(lambda: self.writer.save(step, state, meta, kind))
 
     def poll(self) -> None:
         """Publish a finished async save (local, cheap: every step)."""
@@ -249,7 +255,9 @@ class TrainCheckpoints:
     def load(self, path: Path, restore: tuple[str, ...] | None = None) -> None:
         """Load `path` into the model, the optimizer and the stateful objects named in `restore`
         (all by default)."""
-        train = load_full(path, self.model, self.optimizer, self._train_state())
+        read = bytes_under(path.parent, path.name)
+        with waiting(f"loading checkpoint {path.name}", read, show=self.is_main):
+            train = load_full(path, self.model, self.optimizer, self._train_state())
         for name in restore if restore is not None else tuple(self.stateful):
             self.stateful[name].load_state_dict(train[name])
 

@@ -4,7 +4,13 @@ The bar (step, loss, lr, tokens/s, MFU, ETA) draws only on a terminal; every log
 prints one plain line, so CI logs and `tee`d files show the run too.
 """
 
+import contextlib
 import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import (
@@ -26,6 +32,76 @@ def log(message: str) -> None:
     _console.print(f"{PREFIX} {message}", markup=False)
 
 
+_LINE_EVERY_S = 30.0
+_active: "TrainProgress | None" = None  # the bar on screen, which a wait shows itself in
+
+
+@contextmanager
+def waiting(what: str, written: Callable[[], int] | None = None, show: bool = True) -> Iterator:
+    """A long wait the user would otherwise stare at (a checkpoint save or load): the elapsed
+    time, and the bytes `written()` so far, live in the training bar (or a status line of its
+    own before the bar exists) on a terminal, a plain line every 30 s in a log, and one closing
+    line with the time and the rate."""
+    if not show:
+        yield
+        return
+    started = time.perf_counter()
+    done = threading.Event()
+    bar = _active if _active is not None and not _active.progress.disable else None
+    status = None if bar or not _console.is_terminal else _console.status(what)
+
+    def text() -> str:
+        size = f", {_size(written())}" if written else ""
+        return f"{what}: {time.perf_counter() - started:,.1f} s{size}"
+
+    def watch() -> None:
+        last_line = started
+        while not done.wait(0.5):
+            if bar is not None:
+                bar.progress.update(bar.task, stats=text())
+            elif status is not None:
+                status.update(text())
+            elif time.perf_counter() - last_line >= _LINE_EVERY_S:
+                last_line = time.perf_counter()
+                log(f"{text()} so far")
+
+    if status is not None:
+        status.start()
+    thread = threading.Thread(target=watch, name="dstrain-waiting", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        if status is not None:
+            status.stop()
+        seconds = time.perf_counter() - started
+        rate = f" ({written() / 2**20 / max(seconds, 1e-9):,.0f} MiB/s)" if written else ""
+        log(f"{text()}{rate}, done")
+
+
+def _size(num_bytes: int) -> str:
+    if num_bytes >= 2**30:
+        return f"{num_bytes / 2**30:,.2f} GiB"
+    return f"{num_bytes / 2**20:,.1f} MiB"
+
+
+def bytes_under(folder: Path, *names: str) -> Callable[[], int]:
+    """What `waiting` shows of a save: the size of the files in `folder`'s entries `names` (a
+    save's temporary folder fills up as it writes, then is renamed to its final name)."""
+
+    def total() -> int:
+        size = 0
+        for name in names:
+            for path in (folder / name).rglob("*"):
+                with contextlib.suppress(OSError):  # renamed while we looked
+                    size += path.stat().st_size if path.is_file() else 0
+        return size
+
+    return total
+
+
 class TrainProgress:
     def __init__(self, total_steps: int, start_step: int, enabled: bool = True) -> None:
         self.progress = Progress(
@@ -44,10 +120,14 @@ class TrainProgress:
         )
 
     def __enter__(self) -> "TrainProgress":
+        global _active
         self.progress.start()
+        _active = self
         return self
 
     def __exit__(self, *exc: object) -> None:
+        global _active
+        _active = None
         self.progress.stop()
 
     def advance(self) -> None:
