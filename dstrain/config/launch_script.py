@@ -51,6 +51,7 @@ class ScriptFacts:
     commands: set[str] = field(default_factory=set)  # $(...) and `...` whose output is unknown
     sourced: list[str] = field(default_factory=list)  # files read with `source` / `.`
     unchecked: dict[str, str] = field(default_factory=dict)  # flag -> the text it could not get
+    nemo_overrides: dict[str, Any] = field(default_factory=dict)  # NeMo's Hydra overrides
 
 
 def looks_like_script(suffix: str, text: str) -> bool:
@@ -210,6 +211,9 @@ def _collect_flags(text: str, facts: ScriptFacts) -> None:
     except ValueError:
         tokens = text.split()
     for i, token in enumerate(tokens):
+        if _HYDRA.match(token):
+            _nemo_override(token, facts)
+            continue
         if not token.startswith("--") or len(token) < 3:
             continue
         name, eq, inline = token[2:].partition("=")
@@ -220,6 +224,33 @@ def _collect_flags(text: str, facts: ScriptFacts) -> None:
         else:
             value = True
         facts.flags[name.replace("-", "_")] = _literal(value)
+
+
+# NeMo's Hydra overrides (`model.tensor_model_parallel_size=2`, `trainer.devices=8`; NeMo 2's
+# `trainer.strategy.pipeline_model_parallel_size=4`), `+`/`++` prefixed or not.
+_HYDRA = re.compile(r"^\+{0,2}(model|trainer)\.[\w.]+=")
+# NeMo's names where they differ from Megatron-LM's argument names (megatron_gpt_config.yaml).
+_NEMO_NAMES = {"encoder_seq_length": "seq_length", "num_moe_experts": "num_experts"}
+_NEMO_PRECISION = {"bf16": "bf16", "bf16-mixed": "bf16", "16": "fp16", "16-mixed": "fp16"}
+
+
+def _nemo_override(token: str, facts: ScriptFacts) -> None:
+    """One Hydra override of a NeMo launch: Megatron settings under model./trainer.strategy.,
+    the cluster shape under trainer."""
+    dotted, _, text = token.lstrip("+").partition("=")
+    value = _literal(text.strip("'\""))
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        value = value.lower() == "true"
+    facts.nemo_overrides[dotted] = value
+    name = dotted.rsplit(".", 1)[1]
+    if dotted == "trainer.devices" and isinstance(value, int):
+        facts.gpus_per_node = value
+    elif dotted == "trainer.num_nodes" and isinstance(value, int):
+        facts.nodes = value
+    elif dotted == "trainer.precision" and str(value) in _NEMO_PRECISION:
+        facts.flags[_NEMO_PRECISION[str(value)]] = True
+    elif dotted.startswith(("model.", "trainer.strategy.")):
+        facts.flags[_NEMO_NAMES.get(name, name)] = value
 
 
 def _literal(value: Any) -> Any:
@@ -281,9 +312,11 @@ def import_launch_script(text: str) -> Imported:
 
 
 def _engine(facts: ScriptFacts) -> str:
-    """Megatron-DeepSpeed when the script hands Megatron a DeepSpeed config (`--deepspeed`,
-    `--deepspeed_config`, a heredoc JSON); Megatron-LM otherwise."""
+    """NeMo for Hydra overrides; Megatron-DeepSpeed when the script hands Megatron a DeepSpeed
+    config (`--deepspeed`, `--deepspeed_config`, a heredoc JSON); Megatron-LM otherwise."""
     flags = facts.flags
+    if facts.nemo_overrides:
+        return "NeMo"
     if facts.deepspeed is not None or {"deepspeed", "deepspeed_config"} & set(flags):
         return "Megatron-DeepSpeed"
     return "Megatron-LM"
@@ -328,6 +361,16 @@ def _unresolved_notes(facts: ScriptFacts) -> list:
         (facts.commands, "command output, which check does not run"),
         (set(facts.sourced), "files the script sources, which check does not read"),
     ]
+    if facts.nemo_overrides:
+        notes.append(
+            info(
+                "script",
+                "a NeMo launch: what its overrides do not set comes from the NeMo config it "
+                "names (--config-path/--config-name, or the recipe), which check does not read; "
+                "the defaults assumed are Megatron-LM's",
+                "add the missing values as overrides (e.g. model.num_layers=...) to check them",
+            )
+        )
     for names, what in sources:
         if names:
             notes.append(info("script", f"unresolved, {what}: {', '.join(sorted(names))}"))

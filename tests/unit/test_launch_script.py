@@ -59,3 +59,42 @@ def test_broken_heredoc_json_is_reported(tmp_path):
     )
     findings = preflight(load_config(script), 8)
     assert any(f.key == "deepspeed_config" and f.severity == "error" for f in findings)
+
+
+def test_values_from_outside_the_script_are_named_not_guessed(cli, tmp_path):
+    script = tmp_path / "run.sh"
+    script.write_text(
+        "#!/bin/bash\nsource ./env.sh\nGPUS_PER_NODE=$(nvidia-smi -L | wc -l)\n"
+        "NNODES=${NNODES:-2}\nTP=$1\n"
+        'cat <<EOT > ds.json\n{"train_batch_size": $GBS, "zero_optimization": {"stage": 1}}\nEOT\n'
+        "torchrun --nproc_per_node $GPUS_PER_NODE --nnodes $NNODES pretrain_gpt.py "
+        "--tensor-model-parallel-size $TP --pipeline-model-parallel-size 2 --num-layers 24 "
+        "--micro-batch-size 1 --global-batch-size $GBS --deepspeed --deepspeed_config ds.json\n"
+    )
+    result = cli("check", script, "--json")
+    assert result.code == 0, result.text  # nothing unresolved becomes an error
+    notes = " ".join(f["message"] for f in result.json() if f["key"] == "script")
+    for named in ("GBS", "$1", "nvidia-smi -L | wc -l", "./env.sh", "NNODES=2"):
+        assert named in notes, named
+    assert "--tensor-model-parallel-size $arg1" in notes and "train_batch_size $GBS" in notes
+    world = next(f for f in result.json() if f["key"] == "parallel")
+    assert "world size unknown" in world["message"]  # 2 nodes x an unknown GPU count
+    assert load_config(script).config.parallel.pp == 2  # what the script does say is read
+
+
+def test_a_nemo_launch_reads_its_hydra_overrides(cli, tmp_path):
+    script = tmp_path / "nemo.sh"
+    script.write_text(
+        "python megatron_gpt_pretraining.py --config-path=conf --config-name=megatron_gpt_config "
+        "trainer.devices=8 trainer.num_nodes=2 trainer.precision=bf16-mixed "
+        "model.tensor_model_parallel_size=4 model.pipeline_model_parallel_size=2 "
+        "model.micro_batch_size=1 model.global_batch_size=256 model.encoder_seq_length=4096\n"
+    )
+    loaded = load_config(script)
+    c = loaded.config
+    assert loaded.engine == "NeMo"
+    assert (c.parallel.tp, c.parallel.pp, c.cluster.nodes, c.cluster.gpus_per_node) == (4, 2, 2, 8)
+    assert (c.train.precision, c.train.seq_len, c.train.global_batch_size) == ("bf16", 4096, 256)
+    result = cli("check", script, "--json")
+    assert result.code == 0 and "judged as NeMo" not in result.text  # JSON only
+    assert any("NeMo config" in f["message"] for f in result.json())
