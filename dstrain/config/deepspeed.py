@@ -7,7 +7,8 @@ Megatron-style keys that people put beside DeepSpeed's are mapped by `megatron.p
 from typing import Any
 
 from dstrain.config import ds_lint, megatron
-from dstrain.config.findings import Finding, error, info, warning
+from dstrain.config.ds_engine import deepspeed_true
+from dstrain.config.findings import error, info, warning
 from dstrain.config.imported import AUTO, Imported, as_bool, as_float, as_int
 
 # Keys DeepSpeed accepts that change nothing in dstrain, with the reason shown to the user.
@@ -103,6 +104,9 @@ def _map_steps_per_print(value: Any, out: Imported, raw: dict[str, Any]) -> None
 
 
 def _map_wall_clock(value: Any, out: Imported, raw: dict[str, Any]) -> None:
+    if isinstance(value, str):  # ds_engine reports it, read as DeepSpeed reads it
+        out.set("metrics.timers", deepspeed_true(value) or value.strip().lower() == "false")
+        return
     flag = as_bool(value, "wall_clock_breakdown", out.findings)
     if flag is not None:
         out.set("metrics.timers", flag)
@@ -276,7 +280,10 @@ def _map_offload(zero: dict[str, Any], stage: int, out: Imported) -> None:
             )
     if optimizer in ("cpu", "nvme"):
         out.set("parallel.offload_optimizer", True, "zero_optimization.offload_optimizer")
-    if params in ("cpu", "nvme"):
+    # Below stage 3 DeepSpeed ignores offload_param (only stage 3 partitions parameters, so only
+    # its partitions move: deepspeed/runtime/zero/stage3.py reads it, stage_1_and_2.py does
+    # not): it maps to nothing, and the warning below says so.
+    if params in ("cpu", "nvme") and stage == 3:
         out.set("parallel.offload_params", True, "zero_optimization.offload_param")
     if "offload_param" in zero and stage < 3:
         out.findings.append(
@@ -389,11 +396,8 @@ def _batch_findings(raw: dict[str, Any], out: Imported) -> None:
 
 def _precision_findings(raw: dict[str, Any], out: Imported) -> None:
     fp16, bf16 = raw.get("fp16"), raw.get("bf16")
-    for key, section in (("fp16", fp16), ("bf16", bf16)):
-        if isinstance(section, dict):
-            out.findings.extend(_string_switch(f"{key}.enabled", section.get("enabled")))
-    fp16_on = isinstance(fp16, dict) and _deepspeed_true(fp16.get("enabled"))
-    bf16_on = isinstance(bf16, dict) and _deepspeed_true(bf16.get("enabled"))
+    fp16_on = isinstance(fp16, dict) and deepspeed_true(fp16.get("enabled"))
+    bf16_on = isinstance(bf16, dict) and deepspeed_true(bf16.get("enabled"))
     if fp16_on and bf16_on:
         out.findings.append(
             error(
@@ -414,42 +418,6 @@ def _precision_findings(raw: dict[str, Any], out: Imported) -> None:
                 'set fp16.enabled (and bf16.enabled) to "auto" so the launcher decides',
             )
         )
-
-
-_FALSE_WORDS = ("false", "0", "no", "off", "")
-
-
-def _deepspeed_true(value: Any) -> bool:
-    """How DeepSpeed reads fp16/bf16 `enabled`: the raw JSON value's truth (get_fp16_enabled and
-    get_bfloat16_enabled in deepspeed/runtime/config.py return it through get_scalar_param, a
-    plain dict.get), so any non-empty string is on. `auto` is the HF Trainer's to replace."""
-    return value != AUTO and bool(value)
-
-
-def _string_switch(key: str, value: Any) -> list[Finding]:
-    """`enabled` given as a string. DeepSpeed takes any non-empty one as true, so "false" turns
-    the mode on; "true" works there, but the HF integration compares it with the Trainer's
-    boolean (`fill_match`) and reports a mismatch."""
-    if not isinstance(value, str) or value == AUTO:
-        return []
-    if value.strip().lower() in _FALSE_WORDS and value:
-        return [
-            error(
-                key,
-                f'`{key}` is the string "{value}": DeepSpeed reads any non-empty string as '
-                "true, so this turns the mode on",
-                'write `"enabled": false` (a JSON boolean, no quotes), or "auto"',
-            )
-        ]
-    return [
-        warning(
-            key,
-            f'`{key}` is the string "{value}", not a JSON boolean: DeepSpeed takes it as true, '
-            "but the HF Trainer's check compares it with its own boolean and refuses the mismatch",
-            f"write `{'true' if value.strip().lower() == 'true' else 'a JSON boolean'}` without "
-            'quotes, or "auto"',
-        )
-    ]
 
 
 def _leaves(node: Any) -> list[Any]:

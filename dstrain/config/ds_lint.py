@@ -5,6 +5,7 @@ combinations DeepSpeed's engine refuses at start-up."""
 from typing import Any
 
 from dstrain.config import megatron
+from dstrain.config.ds_engine import engine_rules
 from dstrain.config.ds_keys import (
     DS_DEPRECATED,
     DS_OPAQUE_SECTIONS,
@@ -74,7 +75,6 @@ _LEGACY = {
     "eigenvalue",
     "progressive_layer_drop",
 }
-_ONE_BIT = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
 
 
 # Keys of the tools around DeepSpeed that users put in its JSON, where DeepSpeed ignores them.
@@ -100,7 +100,7 @@ def lint(raw: dict[str, Any]) -> list[Finding]:
             findings.extend(_section_keys(section, node))
     findings.extend(_optimizer(raw.get("optimizer")))
     findings.extend(_scheduler(raw.get("scheduler")))
-    findings.extend(_engine_combinations(raw))
+    findings.extend(engine_rules(raw))
     return findings
 
 
@@ -111,6 +111,16 @@ def _top_level_key(key: str) -> list[Finding]:
         return [_deprecated(key)]
     if key in _NEIGHBOUR_KEYS:
         return [info(key, f"not a DeepSpeed key, ignored by DeepSpeed: {_NEIGHBOUR_KEYS[key]}")]
+    home = _home_of(key)
+    if home and home != "the top level":
+        return [
+            warning(
+                key,
+                f"`{key}` is a key of {home}, not of the top level: DeepSpeed ignores it here, "
+                "so it has no effect",
+                f"move it into {home}, or remove it",
+            )
+        ]
     # DeepSpeed reads each top-level key with a plain dict.get (get_scalar_param in
     # deepspeed/runtime/config_utils.py) and never looks at the others: an unknown one is
     # ignored, so it is a warning (a typo still names the key it was meant to be). The sections
@@ -137,9 +147,21 @@ def _section_keys(section: str, node: dict[str, Any]) -> list[Finding]:
             continue
         if dotted in DS_DEPRECATED:
             findings.append(_deprecated(dotted))
+        elif section in _LENIENT_SECTIONS:
+            found = _unknown(dotted, key, f"`{section}`", valid)
+            message = f"{found.message}; {_LENIENT_SECTIONS[section]}"
+            findings.append(warning(found.key, message, found.fix))
         else:
             findings.append(_unknown(dotted, key, f"`{section}`", valid))
     return findings
+
+
+# Sections whose unknown keys depend on the DeepSpeed release: a warning that says which.
+_LENIENT_SECTIONS = {
+    "fp16": "DeepSpeed read `fp16` with dict.get (ignoring such keys, as apex-era configs with "
+    "opt_level relied on) until DeepSpeedFP16Config (deepspeed/runtime/precision_config.py, "
+    "pydantic with extra=forbid), which refuses them",
+}
 
 
 def _optimizer(section: Any) -> list[Finding]:
@@ -212,42 +234,6 @@ def _scheduler(section: Any) -> list[Finding]:
             for k in params
             if k not in accepted
         ]
-    return findings
-
-
-def _engine_combinations(raw: dict[str, Any]) -> list[Finding]:
-    """What DeepSpeed's engine asserts against at start-up."""
-    findings = []
-    zero = raw.get("zero_optimization")
-    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
-    optimizer = raw.get("optimizer")
-    kind = str(optimizer.get("type", "")) if isinstance(optimizer, dict) else ""
-    if kind.lower() in _ONE_BIT and isinstance(stage, int) and stage >= 1:
-        findings.append(
-            error(
-                "optimizer.type",
-                f"{_ONE_BIT[kind.lower()]} does not work with ZeRO (stage {stage}): DeepSpeed's "
-                "1-bit optimizers compress the full gradient all-reduce, which ZeRO replaces",
-                'set "zero_optimization": {"stage": 0} with 1-bit optimizers, or use Adam/AdamW '
-                "with ZeRO",
-            )
-        )
-    # deepspeed/runtime/pipe/engine.py, PipelineEngine.__init__: `assert
-    # self.zero_optimization_stage() < ZeroStageEnum.gradients, "ZeRO-2 and ZeRO-3 are
-    # incompatible with pipeline parallelism"`. A DeepSpeed JSON with pipeline stages (its own
-    # `pipeline.stages`, or Megatron-DeepSpeed's pipeline size beside it) runs that engine.
-    pp = raw.get("pipeline_model_parallel_size") or _lookup(raw, "pipeline.stages")
-    if isinstance(pp, int) and pp > 1 and stage in (2, 3):
-        findings.append(
-            error(
-                "zero_optimization.stage",
-                f"ZeRO stage {stage} with pipeline parallelism ({pp} stages): DeepSpeed's "
-                "PipelineEngine asserts `ZeRO-2 and ZeRO-3 are incompatible with pipeline "
-                "parallelism`",
-                "use stage 1 (or 0) with pipeline parallelism in DeepSpeed; dstrain itself runs "
-                "ZeRO-2 with PP (`dstrain convert` this file, then set parallel.zero_stage = 2)",
-            )
-        )
     return findings
 
 

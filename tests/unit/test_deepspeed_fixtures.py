@@ -69,7 +69,9 @@ def test_index_lists_every_sample_with_its_thread():
         assert sample["thread_says"].strip(), name
         assert isinstance(sample["check_before"]["exit"], int), name
         if name.startswith("broken/"):
-            assert sample["expect"]["exit"] != 0 and sample["expect"]["mention"], name
+            visible = sample["expect"].get("visible_in_file", True)
+            assert (sample["expect"]["exit"] != 0) == visible, name
+            assert sample["expect"]["mention"], name
         else:
             assert sample["expect"]["exit"] == 0, name
 
@@ -105,6 +107,8 @@ def test_broken_sample_is_caught(name, cli):
 
 @pytest.mark.parametrize("name", _samples("broken"))
 def test_convert_refuses_to_write_a_broken_sample(name, cli, tmp_path):
+    if not SAMPLES[name]["expect"].get("visible_in_file", True):
+        pytest.skip("the mistake is outside the file (a note, not an error): convert writes it")
     out = tmp_path / "run.toml"
     result = cli("convert", FIXTURES / name, "-o", out)
     assert "traceback" not in result.text.lower(), result.text

@@ -1,0 +1,241 @@
+"""What DeepSpeed's engine itself refuses, or reads otherwise than it looks, when it starts on a
+config: the combinations `deepspeed.initialize` asserts against, and how it reads a value.
+
+`ds_lint.py` checks the keys (unknown, misplaced, deprecated); this file checks what the engine
+does with their values. Each rule cites the DeepSpeed source it models. A rule that depends on
+what the launcher passes besides the file (the HF Trainer's own optimizer, a second model) says
+when it fails instead of guessing.
+"""
+
+from typing import Any
+
+from dstrain.config.findings import Finding, error, info, warning
+
+AUTO = "auto"
+_ONE_BIT = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
+_FALSE_WORDS = ("false", "0", "no", "off")
+# Scalars the engine reads with a plain dict.get (get_scalar_param in
+# deepspeed/runtime/config_utils.py), so a string's truth is what counts: "false" is on.
+_SCALAR_SWITCHES = (
+    "wall_clock_breakdown",
+    "memory_breakdown",
+    "prescale_gradients",
+    "sparse_gradients",
+    "dump_state",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+    "dataloader_drop_last",
+)
+
+
+def engine_rules(raw: dict[str, Any]) -> list[Finding]:
+    zero = raw.get("zero_optimization")
+    zero = zero if isinstance(zero, dict) else {}
+    return [
+        *_string_switches(raw),
+        *_one_bit_with_zero(raw, zero),
+        *_zero_with_pipeline(raw, zero),
+        *_offload_with_a_client_optimizer(raw, zero),
+        *_partial_offload(zero),
+        *_quantized_gradients(zero),
+        *_no_optimizer_for_a_second_model(raw, zero),
+    ]
+
+
+def deepspeed_true(value: Any) -> bool:
+    """fp16/bf16 `enabled` as DeepSpeed reads it. Up to the pydantic precision configs
+    (get_fp16_enabled / get_bfloat16_enabled through get_scalar_param) any non-empty string is
+    on; `DeepSpeedFP16Config` / `DeepSpeedBF16Config` (deepspeed/runtime/precision_config.py,
+    pydantic in lax mode) read "false" as false. `auto` is the HF Trainer's to replace."""
+    if value == AUTO:
+        return False
+    if isinstance(value, str):
+        return value.strip().lower() not in (*_FALSE_WORDS, "")
+    return bool(value)
+
+
+def _string_switches(raw: dict[str, Any]) -> list[Finding]:
+    found = [_string_switch(key, raw.get(key), dict_get=True) for key in _SCALAR_SWITCHES]
+    for section in ("fp16", "bf16"):
+        node = raw.get(section)
+        if isinstance(node, dict):
+            found.append(_string_switch(f"{section}.enabled", node.get("enabled"), dict_get=False))
+    return [f for f in found if f is not None]
+
+
+def _string_switch(key: str, value: Any, dict_get: bool) -> Finding | None:
+    """A switch written as a string. Read by dict.get, "false" is a non-empty string, so on; the
+    pydantic sections of newer releases coerce it, but older ones (and the HF integration's
+    `fill_match`, which compares it with the Trainer's own boolean) do not."""
+    if not isinstance(value, str) or value == AUTO:
+        return None
+    word = value.strip().lower()
+    if word in _FALSE_WORDS:
+        versions = "" if dict_get else " (DeepSpeed before its pydantic precision configs)"
+        return error(
+            key,
+            f'`{key}` is the string "{value}": DeepSpeed{versions} reads a non-empty string as '
+            "true, so this turns it on",
+            f'write `"{key.rsplit(".", 1)[-1]}": false` (a JSON boolean, no quotes)'
+            + ("" if dict_get else ', or "auto"'),
+        )
+    return warning(
+        key,
+        f'`{key}` is the string "{value}", not a JSON boolean: DeepSpeed takes it as true, but '
+        "the HF Trainer's check compares it with its own boolean and refuses the mismatch",
+        "write true or false without quotes" + ("" if dict_get else ', or "auto"'),
+    )
+
+
+def _one_bit_with_zero(raw: dict[str, Any], zero: dict[str, Any]) -> list[Finding]:
+    # deepspeed/runtime/engine.py, _configure_basic_optimizer: the 1-bit optimizers assert
+    # `not self.zero_optimization()` ("1bit-Adam is not compatible with ZeRO").
+    stage = zero.get("stage", 0)
+    optimizer = raw.get("optimizer")
+    kind = str(optimizer.get("type", "")) if isinstance(optimizer, dict) else ""
+    if kind.lower() in _ONE_BIT and isinstance(stage, int) and stage >= 1:
+        return [
+            error(
+                "optimizer.type",
+                f"{_ONE_BIT[kind.lower()]} does not work with ZeRO (stage {stage}): DeepSpeed's "
+                "1-bit optimizers compress the full gradient all-reduce, which ZeRO replaces",
+                'set "zero_optimization": {"stage": 0} with 1-bit optimizers, or use Adam/AdamW '
+                "with ZeRO",
+            )
+        ]
+    return []
+
+
+def _zero_with_pipeline(raw: dict[str, Any], zero: dict[str, Any]) -> list[Finding]:
+    # deepspeed/runtime/pipe/engine.py, PipelineEngine.__init__: `assert
+    # self.zero_optimization_stage() < ZeroStageEnum.gradients, "ZeRO-2 and ZeRO-3 are
+    # incompatible with pipeline parallelism"`. A DeepSpeed JSON with pipeline stages (its own
+    # `pipeline.stages`, or Megatron-DeepSpeed's pipeline size beside it) runs that engine.
+    stage = zero.get("stage", 0)
+    pipeline = raw.get("pipeline")
+    pp = raw.get("pipeline_model_parallel_size") or (
+        pipeline.get("stages") if isinstance(pipeline, dict) else None
+    )
+    if isinstance(pp, int) and pp > 1 and stage in (2, 3):
+        return [
+            error(
+                "zero_optimization.stage",
+                f"ZeRO stage {stage} with pipeline parallelism ({pp} stages): DeepSpeed's "
+                "PipelineEngine asserts `ZeRO-2 and ZeRO-3 are incompatible with pipeline "
+                "parallelism`",
+                "use stage 1 (or 0) with pipeline parallelism in DeepSpeed; dstrain itself runs "
+                "ZeRO-2 with PP (`dstrain convert` this file, then set parallel.zero_stage = 2)",
+            )
+        ]
+    return []
+
+
+def _offload_device(zero: dict[str, Any], key: str) -> str:
+    node = zero.get(key)
+    device = node.get("device", "none") if isinstance(node, dict) else "none"
+    legacy = {"offload_optimizer": "cpu_offload", "offload_param": "cpu_offload_params"}[key]
+    return "cpu" if zero.get(legacy) is True else str(device).lower()
+
+
+def _offload_with_a_client_optimizer(raw: dict[str, Any], zero: dict[str, Any]) -> list[Finding]:
+    # deepspeed/runtime/engine.py, _configure_optimizer (0.8.3+): with optimizer offload and a
+    # client optimizer that is not DeepSpeedCPUAdam, `if self.zero_force_ds_cpu_optimizer():
+    # raise ZeRORuntimeException("You are using ZeRO-Offload with a client provided optimizer
+    # ...")`. Without an `optimizer` section the optimizer is the client's: the HF Trainer
+    # (transformers/integrations/deepspeed.py, deepspeed_optim_sched) then passes torch's AdamW.
+    if _offload_device(zero, "offload_optimizer") not in ("cpu", "nvme") or "optimizer" in raw:
+        return []
+    if raw.get("zero_force_ds_cpu_optimizer") is False:
+        return []
+    by_hf = any(v == AUTO for v in _leaves(raw))
+    what = (
+        "the HF Trainer (this file's `auto` values) passes torch's AdamW"
+        if by_hf
+        else "the launching code passes its own optimizer"
+    )
+    message = (
+        "optimizer offload without an `optimizer` section: "
+        f"{what}, and DeepSpeed (0.8.3+) refuses a client optimizer under ZeRO-Offload unless "
+        "it is DeepSpeedCPUAdam (`You are using ZeRO-Offload with a client provided optimizer`)"
+    )
+    fix = (
+        'add an "optimizer" section (e.g. {"type": "AdamW", "params": {"lr": "auto"}}), or '
+        'set "zero_force_ds_cpu_optimizer": false'
+    )
+    # A warning even for the HF Trainer: whether it stops depends on the DeepSpeed release (the
+    # exception is 0.8.3's) and on the optimizer the launcher really passes, and configs of this
+    # shape are published as working (FastChat's deepspeed_config_s3.json).
+    return [warning("zero_optimization.offload_optimizer", message, fix)]
+
+
+def _partial_offload(zero: dict[str, Any]) -> list[Finding]:
+    # DeepSpeed's partial optimizer offload (offload_optimizer.ratio, ZeRO-3 only) steps the
+    # offloaded share with DeepSpeedCPUAdam on the CPU; on NVMe the tensors are not where it
+    # expects them (DeepSpeed#4872: "expected input to be on cuda"; the maintainer: "device should
+    # be cpu, not nvme").
+    node = zero.get("offload_optimizer")
+    if not isinstance(node, dict) or "ratio" not in node:
+        return []
+    ratio, device = node.get("ratio"), str(node.get("device", "none")).lower()
+    if isinstance(ratio, int | float) and ratio < 1 and device == "nvme":
+        return [
+            error(
+                "zero_optimization.offload_optimizer.ratio",
+                f"partial offload (ratio {ratio}) with device nvme: DeepSpeed offloads a share of "
+                "the optimizer states to the CPU only, and fails at the first step "
+                "(`expected input to be on cuda`)",
+                'set "device": "cpu" (no nvme_path needed), or drop ratio to offload it all',
+            )
+        ]
+    if zero.get("stage") != 3:
+        return [
+            warning(
+                "zero_optimization.offload_optimizer.ratio",
+                f"ratio (partial offload) is read by ZeRO stage 3 only; stage {zero.get('stage')} "
+                "offloads all of the optimizer states",
+                "use stage 3 for partial offload, or remove ratio",
+            )
+        ]
+    return []
+
+
+def _quantized_gradients(zero: dict[str, Any]) -> list[Finding]:
+    # deepspeed/runtime/zero/stage3.py, ZeRO++'s quantized gradients (all-to-all reduce):
+    # `assert self.reduce_scatter, "when enable all_to_all_reduce, reduce_scatter should also
+    # be enabled for data type checks."` (DeepSpeed#3809).
+    if zero.get("zero_quantized_gradients") is True and zero.get("reduce_scatter") is False:
+        return [
+            error(
+                "zero_optimization.zero_quantized_gradients",
+                "ZeRO++ quantized gradients (an all_to_all reduce) with reduce_scatter false: "
+                "DeepSpeed asserts `when enable all_to_all_reduce, reduce_scatter should also be "
+                "enabled`",
+                'set "reduce_scatter": true (or drop zero_quantized_gradients)',
+            )
+        ]
+    return []
+
+
+def _no_optimizer_for_a_second_model(raw: dict[str, Any], zero: dict[str, Any]) -> list[Finding]:
+    # deepspeed/runtime/engine.py, _configure_zero_optimizer: initialising a model with neither a
+    # client optimizer nor an `optimizer` section asserts "zero stage {N} requires an optimizer"
+    # at stages 1-2. Training passes one; a second model (a DPO/PPO reference model wrapped by
+    # deepspeed.initialize alone, LlamaFactory#1243) does not. The file cannot say: a note.
+    stage = zero.get("stage", 0)
+    if stage in (1, 2) and "optimizer" not in raw:
+        return [
+            info(
+                "optimizer",
+                f"no `optimizer` section at ZeRO stage {stage}: fine for the model being trained "
+                "(the launcher passes its optimizer), but a model initialised without one (a DPO "
+                f"or PPO reference model) stops with `zero stage {stage} requires an optimizer`",
+                'add an "optimizer" section if the run wraps a second model (DPO, PPO)',
+            )
+        ]
+    return []
+
+
+def _leaves(node: Any) -> list[Any]:
+    if isinstance(node, dict):
+        return [leaf for v in node.values() for leaf in _leaves(v)]
+    return [node]
