@@ -43,9 +43,10 @@ _NO_EFFECT = {
 _ONE_BIT = {"onebitadam", "zerooneadam", "onebitlamb"}
 
 
-def from_deepspeed(raw: dict[str, Any]) -> Imported:
-    """Map a DeepSpeed config dict (with any Megatron keys beside it) to a dstrain config dict."""
-    out = Imported()
+def from_deepspeed(raw: dict[str, Any], engine: str = "DeepSpeed") -> Imported:
+    """Map a DeepSpeed config dict (with any Megatron keys beside it) to a dstrain config dict,
+    as `engine` would read it."""
+    out = Imported(engine=engine)
     out.findings.extend(ds_lint.lint(raw))
     foreign = {k: v for k, v in raw.items() if k not in ds_lint.top_level_keys()}
     megatron.map_keys({k: v for k, v in foreign.items() if megatron.is_megatron_key(k)}, out)

@@ -24,6 +24,7 @@ class Imported:
     virtual_layers_per_stage: int | None = None
     origins: dict[str, str] = field(default_factory=dict)
     samples: dict[str, int] = field(default_factory=dict)  # Megatron *_samples, until steps
+    stage_layers: dict[str, Any] = field(default_factory=dict)  # Megatron's per-stage overrides
     current: str = ""  # the foreign key being mapped; the default origin of `set`
     # The engine whose semantics the file is judged by first: DeepSpeed, Megatron-LM or
     # Megatron-DeepSpeed (the launch script's program and flags say which).

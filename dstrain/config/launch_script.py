@@ -288,8 +288,7 @@ def import_launch_script(text: str) -> Imported:
             raw.setdefault(name, value)
         else:
             others.append(f"--{name}")
-    out = from_deepspeed(raw)
-    out.engine = _engine(facts)
+    out = from_deepspeed(raw, _engine(facts))
     if facts.deepspeed_error:
         out.findings.append(
             error(

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dstrain.config.ds_keys import MEGATRON_ARGS
-from dstrain.config.findings import info
+from dstrain.config.findings import error, info, trainer_limit
 from dstrain.config.imported import Imported, as_bool, as_float, as_int
 
 # Megatron dest -> (dstrain key, kind). Kinds: int, float, bool, str.
@@ -18,7 +18,6 @@ _DIRECT: dict[str, tuple[str, str]] = {
     "pipeline_model_parallel_size": ("parallel.pp", "int"),
     "expert_model_parallel_size": ("parallel.ep", "int"),
     "context_parallel_size": ("parallel.cp", "int"),
-    "virtual_pipeline_model_parallel_size": ("parallel.num_virtual_stages", "int"),
     "sequence_parallel": ("parallel.sequence_parallel", "bool"),
     "micro_batch_size": ("train.micro_batch_size", "int"),
     "global_batch_size": ("train.global_batch_size", "int"),
@@ -124,6 +123,12 @@ _SPECIAL = (
     "multi_latent_attention",
     "swiglu",
     "num_layers_per_virtual_pipeline_stage",
+    "virtual_pipeline_model_parallel_size",
+    "num_virtual_stages_per_pipeline_rank",
+    "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
     "bf16",
     "fp16",
     "use_distributed_optimizer",
@@ -192,7 +197,33 @@ def _map_special(name: str, key: str, value: Any, out: Imported) -> None:
     elif name == "num_layers_per_virtual_pipeline_stage":
         out.virtual_layers_per_stage = as_int(value, key, out.findings, minimum=1)
         out.set("parallel.pp_schedule", "interleaved-1f1b")
+    elif name in ("virtual_pipeline_model_parallel_size", "num_virtual_stages_per_pipeline_rank"):
+        # Megatron-LM's schedule follows from the count: more than one model chunk per pipeline
+        # rank is the interleaved 1F1B (megatron/core/pipeline_parallel/schedules.py,
+        # get_forward_backward_func: forward_backward_pipelining_with_interleaving).
+        chunks = as_int(value, key, out.findings, minimum=1)
+        if chunks is not None:
+            out.set("parallel.num_virtual_stages", chunks)
+            if chunks > 1:
+                out.set("parallel.pp_schedule", "interleaved-1f1b")
+    elif name in (
+        "decoder_first_pipeline_num_layers",
+        "decoder_last_pipeline_num_layers",
+        "account_for_embedding_in_pipeline_split",
+        "account_for_loss_in_pipeline_split",
+    ):
+        out.stage_layers[name] = value  # resolved once layers and pp are known (`finish`)
     elif name in ("bf16", "fp16") and as_bool(value, key, out.findings):
+        if out.data.get("train", {}).get("precision") in ("bf16", "fp16"):
+            # megatron/training/arguments.py, validate_args: `assert not args.fp16` under
+            # args.bf16 ("cannot use both fp16 and bf16").
+            out.findings.append(
+                error(
+                    key,
+                    "--fp16 and --bf16 are both given: Megatron-LM asserts that only one is set",
+                    "keep one of --fp16 / --bf16",
+                )
+            )
         out.set("train.precision", name)
     elif name == "use_distributed_optimizer" and as_bool(value, key, out.findings):
         out.set("parallel.zero_stage", 1)
@@ -220,21 +251,89 @@ def finish(out: Imported) -> None:
     """What Megatron implies once every key is in: steps from sample counts, and the rest of the
     architecture (Megatron's defaults) when the file describes a model."""
     _samples_to_steps(out)
+    _stage_layers(out)
     _even_stages(out)
     if out.model_given:
         _implied_architecture(out)
 
 
 def _even_stages(out: Imported) -> None:
-    """Megatron and DeepSpeed split layers evenly unless told to trim a stage: an imported
-    pipeline keeps that rule (dstrain's own default, automatic trimming, would hide a split
-    that fails under them)."""
+    """Megatron-LM splits layers evenly unless told to trim a stage: an imported pipeline keeps
+    that rule (dstrain's own default, automatic trimming, would hide a split that fails under
+    it). Megatron-DeepSpeed's pipeline is DeepSpeed's PipelineModule, which balances layers by
+    parameter count (partition_method "parameters", deepspeed/runtime/pipe/module.py) and so
+    accepts any count: there dstrain's automatic trimming stands."""
     parallel = out.data.get("parallel", {})
+    if out.engine == "Megatron-DeepSpeed":
+        return
     if parallel.get("pp", 1) > 1:
         for end in ("first", "last"):
             key = f"parallel.pp_{end}_stage_less_layers"
             if key.rsplit(".", 1)[1] not in parallel:
                 out.set(key, 0, out.origins.get("parallel.pp"))
+
+
+def _stage_layers(out: Imported) -> None:
+    """Megatron-LM's flags that override the even split of layers over pipeline stages, as
+    dstrain's per-end trims. `--account-for-embedding/loss-in-pipeline-split` count the
+    embedding (the head and loss) as one layer of the first (last) stage; `--decoder-first/
+    last-pipeline-num-layers N` give that stage N layers and split the rest evenly
+    (megatron/core/transformer/transformer_block.py, get_num_layers_to_build)."""
+    given = out.stage_layers
+    if not given:
+        return
+    layers = out.data.get("model", {}).get("num_layers")
+    parallel = out.data.get("parallel", {})
+    pp = parallel.get("pp", 1)
+    if given.get("account_for_embedding_in_pipeline_split") is True:
+        out.set("parallel.pp_first_stage_less_layers", 1, "account_for_embedding_in_pipeline_split")
+    if given.get("account_for_loss_in_pipeline_split") is True:
+        out.set("parallel.pp_last_stage_less_layers", 1, "account_for_loss_in_pipeline_split")
+    first = given.get("decoder_first_pipeline_num_layers")
+    last = given.get("decoder_last_pipeline_num_layers")
+    if first is None and last is None:
+        return
+    if not isinstance(layers, int) or pp < 2:
+        out.findings.append(
+            info(
+                "decoder_first_pipeline_num_layers",
+                "needs --num-layers and a pipeline size beside it to become per-stage trims",
+            )
+        )
+        return
+    ends = [n for n in (first, last) if isinstance(n, int)]
+    middle_stages = pp * parallel.get("num_virtual_stages", 1) - len(ends)
+    rest = layers - sum(ends)
+    if middle_stages < 1 or rest < 0 or rest % middle_stages:
+        out.findings.append(
+            error(
+                "decoder_first_pipeline_num_layers",
+                f"{layers} layers less {sum(ends)} on the end stage(s) do not split evenly over "
+                f"the other {middle_stages} stage(s): Megatron-LM asserts an even split of the "
+                "rest",
+                "choose first/last stage layer counts that leave a multiple of the other stages",
+            )
+        )
+        return
+    share = rest // middle_stages
+    for end, count in (("first", first), ("last", last)):
+        if not isinstance(count, int):
+            continue
+        if count > share:
+            out.findings.append(
+                trainer_limit(
+                    f"decoder_{end}_pipeline_num_layers",
+                    f"the {end} stage holds {count} layers, more than the others' {share}: "
+                    "dstrain's split only trims the end stages",
+                    "give the end stage at most as many layers as the others",
+                )
+            )
+            continue
+        out.set(
+            f"parallel.pp_{end}_stage_less_layers",
+            share - count,
+            f"decoder_{end}_pipeline_num_layers",
+        )
 
 
 def _samples_to_steps(out: Imported) -> None:
