@@ -16,7 +16,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from dstrain.config import megatron
+from dstrain.config import megatron, megatron_engine
 from dstrain.config.deepspeed import from_deepspeed
 from dstrain.config.findings import error, info
 from dstrain.config.imported import Imported
@@ -288,7 +288,9 @@ def import_launch_script(text: str) -> Imported:
             raw.setdefault(name, value)
         else:
             others.append(f"--{name}")
-    out = from_deepspeed(raw, _engine(facts))
+    engine = _engine(facts)
+    out = from_deepspeed(raw, engine)
+    out.findings.extend(megatron_engine.engine_rules(engine, facts.flags, facts.deepspeed))
     if facts.deepspeed_error:
         out.findings.append(
             error(

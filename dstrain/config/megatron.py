@@ -137,6 +137,7 @@ _SPECIAL = (
     "adam_beta1",
     "adam_beta2",
     "min_lr",
+    "lr_warmup_fraction",
 )
 
 
@@ -239,6 +240,8 @@ def _map_special(name: str, key: str, value: Any, out: Imported) -> None:
         betas = list(out.data.get("optim", {}).get("betas", [0.9, 0.95]))
         betas[name == "adam_beta2"] = beta
         out.set("optim.betas", betas)
+    elif name == "lr_warmup_fraction" and (share := as_float(value, key, out.findings)):
+        out.samples["lr_warmup_fraction"] = share  # of the decay iterations (`finish`)
     elif name == "min_lr" and (floor := as_float(value, key, out.findings)) is not None:
         peak = out.data.get("optim", {}).get("lr")
         if peak:
@@ -251,6 +254,7 @@ def finish(out: Imported) -> None:
     """What Megatron implies once every key is in: steps from sample counts, and the rest of the
     architecture (Megatron's defaults) when the file describes a model."""
     _samples_to_steps(out)
+    _warmup(out)
     _stage_layers(out)
     _even_stages(out)
     if out.model_given:
@@ -271,6 +275,23 @@ def _even_stages(out: Imported) -> None:
             key = f"parallel.pp_{end}_stage_less_layers"
             if key.rsplit(".", 1)[1] not in parallel:
                 out.set(key, 0, out.origins.get("parallel.pp"))
+
+
+def _warmup(out: Imported) -> None:
+    """Megatron's warmup: --lr-warmup-fraction of the decay iterations (megatron/training/
+    training.py, get_optimizer_param_scheduler: lr_warmup_steps = lr_warmup_fraction *
+    lr_decay_steps, the decay defaulting to train_iters), and none when neither is given (its
+    default lr_warmup_iters = 0), not dstrain's own default."""
+    share = out.samples.pop("lr_warmup_fraction", None)
+    if not out.engine.startswith("Megatron") and share is None:
+        return
+    if "warmup_steps" in out.data.get("lr", {}):
+        return
+    decay = out.data.get("lr", {}).get("decay_steps") or out.data.get("train", {}).get("steps")
+    if share is not None and decay:
+        out.set("lr.warmup_steps", int(share * decay), "lr_warmup_fraction")
+    elif out.engine.startswith("Megatron"):
+        out.set("lr.warmup_steps", 0, "lr_warmup_iters")
 
 
 def _stage_layers(out: Imported) -> None:
@@ -344,6 +365,8 @@ def _samples_to_steps(out: Imported) -> None:
         "lr_decay_samples": "lr.decay_steps",
     }
     for name, samples in out.samples.items():
+        if name not in targets:  # lr_warmup_fraction: `_warmup`
+            continue
         if batch:
             out.set(
                 targets[name],
