@@ -394,7 +394,8 @@ def _implied_architecture(out: Imported) -> None:
         "first_k_dense": 0 if experts else layers,
         "n_group": 1,
         "topk_group": 1,
-        "inter_dim": 4 * dim,
+        # arguments.py: ffn_hidden_size defaults to 4h, with --swiglu to int(8h/3 / 64) * 64.
+        "inter_dim": int(4 * dim * 2 / 3 / 64) * 64 if model.get("mlp") == "swiglu" else 4 * dim,
         "num_mtp_modules": 0,
         "max_seq_len": out.data.get("train", {}).get("seq_len", 2048),
         "vocab_size": _padded(50257, 128 * tp),

@@ -5,15 +5,203 @@ source it models. Flags arrive as Megatron's argparse dests (`tensor_model_paral
 
 from typing import Any
 
-from dstrain.config.findings import Finding, error, info
+from dstrain.config.findings import Finding, error, info, warning
+
+# Sources (the stored copies read, by commit): Megatron-LM megatron/training/arguments.py
+# (NVIDIA 000c4ac, 2025; 307dcf3, early 2024) and megatron/arguments.py (97d9a50, 2023);
+# megatron/core/transformer/transformer_config.py; Megatron-DeepSpeed megatron/arguments.py
+# (deepspeedai 207b2d5; microsoft bb4ac1c), megatron/training.py, megatron/utils.py.
 
 
 def engine_rules(engine: str, flags: dict[str, Any], ds_config: dict[str, Any] | None) -> list:
-    findings: list[Finding] = []
+    findings: list[Finding] = [*_removed_flags(engine, flags), *_flag_combinations(flags)]
     if engine == "Megatron-DeepSpeed":
         findings += _deepspeed_pipeline_engine(flags, ds_config)
+        findings += _no_pipeline_parallel(flags)
+        findings += _two_batch_sizes(flags, ds_config)
         findings += _external_ds_config(flags, ds_config)
     return findings
+
+
+def _given(flags: dict[str, Any], name: str) -> bool:
+    return name in flags and flags[name] is not False
+
+
+def _removed_flags(engine: str, flags: dict[str, Any]) -> list[Finding]:
+    """Flags Megatron-LM's validate_args refuses by name (arguments.py, all versions read)."""
+    removed = {
+        "batch_size": "--batch-size argument is no longer valid, use --micro-batch-size instead",
+        "warmup": "--warmup argument is no longer valid, use --lr-warmup-fraction instead",
+        "model_parallel_size": "--model-parallel-size is no longer valid, use "
+        "--tensor-model-parallel-size instead",
+    }
+    found = [
+        error(
+            f"--{name.replace('_', '-')}", f"Megatron asserts: `{message}`", message.split(", ")[1]
+        )
+        for name, message in removed.items()
+        if _given(flags, name)
+    ]
+    # Megatron-LM 2023+: `--checkpoint-activations is no longer valid, use
+    # --recompute-activations ...`, then exit(): the job ends at once, with status 0.
+    # Megatron-DeepSpeed keeps the flag (its DeepSpeed activation checkpointing reads it).
+    if engine == "Megatron-LM" and _given(flags, "checkpoint_activations"):
+        found.append(
+            error(
+                "--checkpoint-activations",
+                "Megatron-LM (2023 and later) prints `--checkpoint-activations is no longer "
+                "valid, use --recompute-activations` and exits before training, with status 0",
+                "use --recompute-activations (selective), or --recompute-granularity full "
+                "--recompute-method uniform --recompute-num-layers 1",
+            )
+        )
+    return found
+
+
+def _flag_combinations(flags: dict[str, Any]) -> list[Finding]:
+    """Combinations Megatron-LM's validate_args (and TransformerConfig) assert against."""
+    found = []
+    ep = flags.get("expert_model_parallel_size", 1)
+    tp = flags.get("tensor_model_parallel_size", 1)
+    if isinstance(ep, int) and ep > 1 and _given(flags, "fp16"):
+        found.append(
+            error(
+                "--fp16",
+                "expert parallelism with fp16: Megatron asserts `Expert parallelism is not "
+                "supported with fp16 training.`",
+                "use --bf16 with --expert-model-parallel-size > 1",
+            )
+        )
+    if _given(flags, "moe_grouped_gemm") and not _given(flags, "bf16"):
+        found.append(
+            error(
+                "--moe-grouped-gemm",
+                "Megatron asserts `Currently GroupedGEMM for MoE only supports bf16 dtype.`",
+                "add --bf16, or drop --moe-grouped-gemm",
+            )
+        )
+    if (
+        isinstance(ep, int)
+        and isinstance(tp, int)
+        and ep > 1
+        and tp > 1
+        and not _given(flags, "sequence_parallel")
+    ):
+        found.append(
+            warning(
+                "--sequence-parallel",
+                "expert and tensor parallelism without --sequence-parallel: Megatron-LM 2023-24 "
+                "asserts `When using expert parallelism and tensor parallelism, sequence "
+                "parallelism must be used`; current Megatron-Core only warns",
+                "add --sequence-parallel",
+            )
+        )
+    if flags.get("recompute_granularity") == "selective" and _given(flags, "recompute_method"):
+        found.append(
+            error(
+                "--recompute-method",
+                "Megatron asserts `recompute method is not yet supported for selective "
+                "recomputing granularity`",
+                "drop --recompute-method, or use --recompute-granularity full",
+            )
+        )
+    if _given(flags, "tp_comm_overlap") and not (
+        _given(flags, "sequence_parallel") and isinstance(tp, int) and tp > 1
+    ):
+        found.append(
+            error(
+                "--tp-comm-overlap",
+                "Megatron asserts `Tensor parallel communication/GEMM overlap can happen only when "
+                "sequence parallelism is enabled` (at tp 1 sequence parallelism is switched off)",
+                "add --sequence-parallel with --tensor-model-parallel-size > 1, or drop "
+                "--tp-comm-overlap",
+            )
+        )
+    if _given(flags, "overlap_param_gather"):
+        if not _given(flags, "use_distributed_optimizer"):
+            found.append(
+                error(
+                    "--overlap-param-gather",
+                    "Megatron asserts `--overlap-param-gather only supported with distributed "
+                    "optimizer`",
+                    "add --use-distributed-optimizer",
+                )
+            )
+        if not _given(flags, "overlap_grad_reduce"):
+            found.append(
+                error(
+                    "--overlap-param-gather",
+                    "Megatron asserts `Must use --overlap-param-gather with --overlap-grad-reduce`",
+                    "add --overlap-grad-reduce",
+                )
+            )
+    if (
+        _given(flags, "num_layers_per_virtual_pipeline_stage")
+        and flags.get("pipeline_model_parallel_size", 1) == 2
+    ):
+        found.append(
+            warning(
+                "--num-layers-per-virtual-pipeline-stage",
+                "the interleaved schedule at pipeline size 2: Megatron-LM 2023-24 asserts "
+                "`pipeline-model-parallel size should be greater than 2 with interleaved "
+                "schedule`; 2025 releases accept it while p2p overlap is on (the default)",
+                "use pp > 2 on older Megatron-LM",
+            )
+        )
+    return found
+
+
+def _no_pipeline_parallel(flags: dict[str, Any]) -> list[Finding]:
+    # Megatron-DeepSpeed arguments.py: `pipeline_model_parallel_size must be 1 if pipeline
+    # parallel is disabled`.
+    pp = flags.get("pipeline_model_parallel_size", 1)
+    if _given(flags, "no_pipeline_parallel") and isinstance(pp, int) and pp != 1:
+        return [
+            error(
+                "--no-pipeline-parallel",
+                f"--no-pipeline-parallel with --pipeline-model-parallel-size {pp}: "
+                "Megatron-DeepSpeed asserts `pipeline_model_parallel_size must be 1 if pipeline "
+                "parallel is disabled`",
+                "drop --no-pipeline-parallel, or set --pipeline-model-parallel-size 1",
+            )
+        ]
+    return []
+
+
+def _two_batch_sizes(flags: dict[str, Any], ds_config: dict[str, Any] | None) -> list[Finding]:
+    """Megatron-DeepSpeed never compares the two configs' batch sizes: under DeepSpeed's
+    pipeline engine the micro-batches per step are the JSON's, while --global-batch-size drives
+    the LR schedule and the samples consumed (megatron/training.py, get_optimizer_param_scheduler;
+    megatron/utils.py, set_ds_auto_config_values replaces only `auto`). A gas of `auto` stays
+    the string "auto" and breaks DeepSpeed's batch arithmetic (a TypeError)."""
+    ds = ds_config or {}
+    found = []
+    for ds_key, flag in (
+        ("train_batch_size", "global_batch_size"),
+        ("train_micro_batch_size_per_gpu", "micro_batch_size"),
+    ):
+        ours, theirs = ds.get(ds_key), flags.get(flag)
+        if isinstance(ours, int) and isinstance(theirs, int) and ours != theirs:
+            found.append(
+                warning(
+                    ds_key,
+                    f"the DeepSpeed JSON's {ds_key} {ours} differs from --{flag.replace('_', '-')} "
+                    f"{theirs}: Megatron-DeepSpeed does not check them against each other; "
+                    "DeepSpeed steps by the JSON's, the LR schedule counts the flag's",
+                    f'make them equal, or write "{ds_key}": "auto" (filled from the flag)',
+                )
+            )
+    if ds.get("gradient_accumulation_steps") == "auto":
+        found.append(
+            error(
+                "gradient_accumulation_steps",
+                '"auto" gradient_accumulation_steps under Megatron-DeepSpeed: it fills only '
+                "train_batch_size and train_micro_batch_size_per_gpu, so DeepSpeed's batch "
+                "arithmetic gets the string and fails",
+                "drop the key (DeepSpeed derives it) or write the number",
+            )
+        )
+    return found
 
 
 def _zero_stage(flags: dict[str, Any], ds_config: dict[str, Any] | None) -> tuple[int | None, str]:

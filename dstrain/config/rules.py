@@ -277,12 +277,23 @@ def rule_tensor_parallel(t: CheckTarget) -> Iterable[Finding]:
     if m.is_moe and m.num_shared_experts:
         widths["model.moe_inter_dim"] = m.moe_inter_dim * m.num_shared_experts
     for key, value in widths.items():
-        if value % p.tp:
-            yield error(
+        if value % p.tp == 0:
+            continue
+        if key == "model.num_kv_heads" and p.tp % value == 0:
+            # Megatron-Core accepts query groups that divide tp (transformer_config.py: "must be
+            # a multiple or divisor of tensor_model_parallel_size"), replicating each kv head.
+            yield trainer_limit(
                 key,
-                f"{key.split('.')[1]}={value} does not divide by tp={p.tp}",
-                f"choose tp among the divisors of {value}, or change {key}",
+                f"num_kv_heads={value} is fewer than tp={p.tp}: each kv head would be replicated "
+                "over tp / kv ranks, which dstrain's attention sharding does not do",
+                f"use tp <= {value}",
             )
+            continue
+        yield error(
+            key,
+            f"{key.split('.')[1]}={value} does not divide by tp={p.tp}",
+            f"choose tp among the divisors of {value}, or change {key}",
+        )
 
 
 def rule_zero(t: CheckTarget) -> Iterable[Finding]:
