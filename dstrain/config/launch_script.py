@@ -52,6 +52,7 @@ class ScriptFacts:
     sourced: list[str] = field(default_factory=list)  # files read with `source` / `.`
     unchecked: dict[str, str] = field(default_factory=dict)  # flag -> the text it could not get
     nemo_overrides: dict[str, Any] = field(default_factory=dict)  # NeMo's Hydra overrides
+    swift: bool = False  # ms-swift's `megatron sft|pt|rlhf` launcher (Megatron-SWIFT)
 
 
 def looks_like_script(suffix: str, text: str) -> bool:
@@ -68,7 +69,9 @@ def read_launch_script(text: str) -> ScriptFacts:
             facts.sourced.append(source.group(1))
             continue
         match = _ASSIGN.match(line)
-        if match:
+        if match and (command := _env_prefixed(line, variables, facts)) is not None:
+            body.append(command)  # `NPROC_PER_NODE=8 NNODES=2 megatron sft ...`
+        elif match:
             value = _expand(_unquote(match.group(2)), variables, facts)
             variables[match.group(1)] = value
             body.append(value)
@@ -77,8 +80,29 @@ def read_launch_script(text: str) -> ScriptFacts:
     for doc in heredocs:
         _read_heredoc(_expand(doc, variables, facts), facts)
     _collect_flags(" ".join(body), facts)
-    _cluster_from_launchers(facts)
+    _cluster_from_launchers(facts, variables)
     return facts
+
+
+def _env_prefixed(line: str, variables: dict[str, str], facts: ScriptFacts) -> str | None:
+    """A command run with environment assignments in front (`A=1 B=2 cmd --flag`): the
+    assignments are the script's variables, the rest the command; None for a plain `A=1`
+    (and for `A=$(cmd ...)`, whose spaces are the substitution's, not a command's)."""
+    if "$(" in line or "`" in line:
+        return None
+    try:
+        words = shlex.split(line, comments=True)
+    except ValueError:
+        return None
+    n = 0
+    while n < len(words) and re.fullmatch(r"[A-Za-z_]\w*=.*", words[n]):
+        n += 1
+    if n == 0 or n == len(words):
+        return None
+    for word in words[:n]:
+        name, _, value = word.partition("=")
+        variables[name] = _expand(value, variables, facts)
+    return _expand(shlex.join(words[n:]), variables, facts)
 
 
 def _logical_lines(text: str) -> tuple[list[str], list[str]]:
@@ -210,6 +234,7 @@ def _collect_flags(text: str, facts: ScriptFacts) -> None:
         tokens = shlex.split(text, comments=True)
     except ValueError:
         tokens = text.split()
+    facts.swift = _SWIFT.search(" ".join(tokens)) is not None
     for i, token in enumerate(tokens):
         if _HYDRA.match(token):
             _nemo_override(token, facts)
@@ -223,9 +248,16 @@ def _collect_flags(text: str, facts: ScriptFacts) -> None:
             value = tokens[i + 1]
         else:
             value = True
+        if facts.swift and isinstance(value, str) and value.lower() in ("true", "false"):
+            value = value.lower() == "true"  # ms-swift parses booleans as values
         facts.flags[name.replace("-", "_")] = _literal(value)
 
 
+# ms-swift's Megatron launchers: `megatron sft ...`, `megatron pt`, `megatron rlhf`, and the
+# console script `megatron_sft`; their flags are Megatron-LM's with booleans given as values.
+_SWIFT = re.compile(
+    r"(?:^|\s)(?:megatron\s+(?:sft|pt|rlhf|export)|megatron_(?:sft|pt|rlhf))(?:\s|$)"
+)
 # NeMo's Hydra overrides (`model.tensor_model_parallel_size=2`, `trainer.devices=8`; NeMo 2's
 # `trainer.strategy.pipeline_model_parallel_size=4`), `+`/`++` prefixed or not.
 _HYDRA = re.compile(r"^\+{0,2}(model|trainer)\.[\w.]+=")
@@ -264,9 +296,16 @@ def _literal(value: Any) -> Any:
     return value
 
 
-def _cluster_from_launchers(facts: ScriptFacts) -> None:
-    """torchrun/deepspeed launcher flags, when #SBATCH did not say."""
+def _cluster_from_launchers(facts: ScriptFacts, variables: dict[str, str]) -> None:
+    """torchrun/deepspeed launcher flags, when #SBATCH did not say; ms-swift's launcher reads
+    the NPROC_PER_NODE and NNODES environment variables instead."""
     flags = facts.flags
+    if facts.swift:
+        for name, attr in (("NPROC_PER_NODE", "gpus_per_node"), ("NNODES", "nodes")):
+            if getattr(facts, attr) is None and variables.get(name, "").isdigit():
+                setattr(facts, attr, int(variables[name]))
+        if facts.gpus_per_node and facts.nodes is None and "NNODES" not in variables:
+            facts.nodes = 1  # ms-swift's launcher: NNODES defaults to 1 (one node)
     for key in ("nproc_per_node", "num_gpus"):
         if facts.gpus_per_node is None and isinstance(flags.get(key), int):
             facts.gpus_per_node = flags[key]
@@ -318,6 +357,8 @@ def _engine(facts: ScriptFacts) -> str:
     flags = facts.flags
     if facts.nemo_overrides:
         return "NeMo"
+    if facts.swift:
+        return "ms-swift"
     if facts.deepspeed is not None or {"deepspeed", "deepspeed_config"} & set(flags):
         return "Megatron-DeepSpeed"
     return "Megatron-LM"

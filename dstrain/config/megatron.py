@@ -22,6 +22,7 @@ _DIRECT: dict[str, tuple[str, str]] = {
     "micro_batch_size": ("train.micro_batch_size", "int"),
     "global_batch_size": ("train.global_batch_size", "int"),
     "seq_length": ("train.seq_len", "int"),
+    "encoder_seq_length": ("train.seq_len", "int"),  # arguments.py copies it to seq_length
     "train_iters": ("train.steps", "int"),
     "seed": ("train.seed", "int"),
     "clip_grad": ("train.grad_clip", "float"),
@@ -169,7 +170,6 @@ def map_key(key: str, value: Any, out: Imported) -> None:
         converted = _CONVERT[kind](value, key, out)
         if converted is not None:
             out.set(target, converted)
-            out.model_given |= name in _MODEL
     elif name in _SPECIAL:
         _map_special(name, key, value, out)
     else:
@@ -194,7 +194,6 @@ def _map_special(name: str, key: str, value: Any, out: Imported) -> None:
         out.set("model.mlp", "swiglu")
     elif name == "multi_latent_attention" and as_bool(value, key, out.findings):
         out.set("model.attention", "mla")
-        out.model_given = True
     elif name == "num_layers_per_virtual_pipeline_stage":
         out.virtual_layers_per_stage = as_int(value, key, out.findings, minimum=1)
         out.set("parallel.pp_schedule", "interleaved-1f1b")
@@ -257,6 +256,21 @@ def finish(out: Imported) -> None:
     _warmup(out)
     _stage_layers(out)
     _even_stages(out)
+    # A model is described when Megatron's required shape arguments are (arguments.py asserts
+    # num_layers, hidden_size and num_attention_heads are not None): a tuning key alone (the
+    # aux-loss weight) does not make the rest of the architecture Megatron's defaults.
+    model = out.data.get("model", {})
+    out.model_given = all(k in model for k in ("num_layers", "dim", "num_heads"))
+    if not out.model_given and model:
+        out.findings.append(
+            info(
+                "model",
+                "the architecture is only partly given (Megatron needs --num-layers, "
+                "--hidden-size and --num-attention-heads; a wrapper may read them from a "
+                "checkpoint's config): model-shape checks are skipped",
+            )
+        )
+        out.data.pop("model")
     if out.model_given:
         _implied_architecture(out)
 

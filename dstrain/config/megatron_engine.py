@@ -14,7 +14,19 @@ from dstrain.config.findings import Finding, error, info, warning
 
 
 def engine_rules(engine: str, flags: dict[str, Any], ds_config: dict[str, Any] | None) -> list:
-    findings: list[Finding] = [*_removed_flags(engine, flags), *_flag_combinations(flags)]
+    findings: list[Finding] = [*_removed_flags(engine, flags), *_flag_combinations(flags, engine)]
+    if engine == "ms-swift":
+        findings.append(
+            info(
+                "script",
+                "an ms-swift (Megatron-SWIFT) launch: the architecture and the precision come from "
+                "the --model checkpoint's config.json and ms-swift's own defaults, which this "
+                "check does not read; rules that depend on them are skipped (the split of layers "
+                "over pipeline_model_parallel_size, of heads over tensor_model_parallel_size, of "
+                "experts over expert_model_parallel_size)",
+                "check the layout with the model named: --set model.hf_config=PATH/config.json",
+            )
+        )
     if engine == "Megatron-DeepSpeed":
         findings += _deepspeed_pipeline_engine(flags, ds_config)
         findings += _no_pipeline_parallel(flags)
@@ -58,9 +70,12 @@ def _removed_flags(engine: str, flags: dict[str, Any]) -> list[Finding]:
     return found
 
 
-def _flag_combinations(flags: dict[str, Any]) -> list[Finding]:
-    """Combinations Megatron-LM's validate_args (and TransformerConfig) assert against."""
+def _flag_combinations(flags: dict[str, Any], engine: str) -> list[Finding]:
+    """Combinations Megatron-LM's validate_args (and TransformerConfig) assert against. A
+    wrapper with defaults of its own (ms-swift: precision from the checkpoint, the distributed
+    optimizer on) is judged only on what its flags say outright."""
     found = []
+    defaults_known = engine in ("Megatron-LM", "Megatron-DeepSpeed")
     ep = flags.get("expert_model_parallel_size", 1)
     tp = flags.get("tensor_model_parallel_size", 1)
     if isinstance(ep, int) and ep > 1 and _given(flags, "fp16"):
@@ -72,7 +87,9 @@ def _flag_combinations(flags: dict[str, Any]) -> list[Finding]:
                 "use --bf16 with --expert-model-parallel-size > 1",
             )
         )
-    if _given(flags, "moe_grouped_gemm") and not _given(flags, "bf16"):
+    if _given(flags, "moe_grouped_gemm") and (
+        _given(flags, "fp16") or (defaults_known and not _given(flags, "bf16"))
+    ):
         found.append(
             error(
                 "--moe-grouped-gemm",
@@ -118,7 +135,7 @@ def _flag_combinations(flags: dict[str, Any]) -> list[Finding]:
             )
         )
     if _given(flags, "overlap_param_gather"):
-        if not _given(flags, "use_distributed_optimizer"):
+        if not _given(flags, "use_distributed_optimizer") and defaults_known:
             found.append(
                 error(
                     "--overlap-param-gather",

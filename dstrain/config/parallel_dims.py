@@ -119,13 +119,18 @@ class ParallelDims:
         return None
 
     def _check_cp(self) -> Finding | None:
-        if self.cp > 1:
-            return trainer_limit(
-                "parallel.cp",
-                f"cp={self.cp}: context parallelism is reserved and not built yet",
-                "set parallel.cp = 1 (use tp with sequence_parallel for long sequences)",
-            )
-        return None
+        return context_parallel_limit(self.cp)
+
+
+def context_parallel_limit(cp: int) -> Finding | None:
+    """The trainer has no context parallelism yet (known without the world size)."""
+    if cp > 1:
+        return trainer_limit(
+            "parallel.cp",
+            f"cp={cp}: context parallelism is reserved and not built yet",
+            "set parallel.cp = 1 (use tp with sequence_parallel for long sequences)",
+        )
+    return None
 
 
 def tp_spans_nodes(dims: ParallelDims, gpus_per_node: int) -> Finding | None:

@@ -19,7 +19,7 @@ def preflight(loaded: LoadedConfig, world_size: int | None) -> list[Finding]:
     findings = list(loaded.findings)
     model = _model(loaded, findings)
     _apply_virtual_layers(loaded, model, findings)
-    target = CheckTarget(loaded.config, world_size, model, _gpu(loaded))
+    target = CheckTarget(loaded.config, world_size, model, _gpu(loaded), loaded.engine)
     findings.extend(_in_users_words(run_rules(target), loaded.origins))
     if loaded.engine:
         findings = _second_question(findings, loaded.engine)

@@ -12,7 +12,12 @@ from pathlib import Path
 from dstrain.config.batch import BatchPlan, fewest_microbatches, run_batch
 from dstrain.config.findings import Finding, error, info, trainer_limit, warning
 from dstrain.config.model_args import ModelArgs
-from dstrain.config.parallel_dims import ParallelDims, stage_trim, tp_spans_nodes
+from dstrain.config.parallel_dims import (
+    ParallelDims,
+    context_parallel_limit,
+    stage_trim,
+    tp_spans_nodes,
+)
 from dstrain.config.schema import DstrainConfig
 from dstrain.errors import UserError
 from dstrain.hardware import BLOCKWISE_FP8_GPUS, GPUSpec, gpu_spec, network_gbps
@@ -26,6 +31,12 @@ class CheckTarget:
     world_size: int | None
     model: ModelArgs | None
     gpu: GPUSpec | None
+    engine: str | None = None  # the foreign engine of an imported file; None = dstrain's own
+
+    @property
+    def steps_known(self) -> bool:
+        """The run length is the file's, not dstrain's default (an imported file may not say)."""
+        return self.engine is None or "steps" in self.config.train.model_fields_set
 
     @property
     def dims(self) -> ParallelDims | None:
@@ -69,6 +80,8 @@ def rule_world_size(t: CheckTarget) -> Iterable[Finding]:
             "pass --world-size N (or --nodes N --gpus-per-node G), or set cluster.nodes/"
             "cluster.gpus_per_node",
         )
+        if cp := context_parallel_limit(t.config.parallel.cp):
+            yield cp
         return
     problems = dims.validate()
     yield from problems
@@ -467,7 +480,7 @@ def rule_optimizer(t: CheckTarget) -> Iterable[Finding]:
             f"lr={c.optim.lr:g} is far {side} the usual 1e-5..1e-3 for Adam-type optimizers",
             "check the exponent (pre-training LLMs uses ~1e-4..3e-3, fine-tuning ~1e-5..5e-5)",
         )
-    if c.lr.warmup_steps >= c.train.steps and c.lr.schedule != "constant":
+    if c.lr.warmup_steps >= c.train.steps and c.lr.schedule != "constant" and t.steps_known:
         yield warning(
             "lr.warmup_steps",
             f"warmup_steps={c.lr.warmup_steps} >= train.steps={c.train.steps}: the schedule "
@@ -515,7 +528,7 @@ def rule_paths(t: CheckTarget) -> Iterable[Finding]:
             f"checkpoint to resume from not found: {c.checkpoint.resume}",
             "pass an existing checkpoint directory, or `auto`/`never`",
         )
-    if c.checkpoint.enable and c.checkpoint.interval > c.train.steps:
+    if c.checkpoint.enable and c.checkpoint.interval > c.train.steps and t.steps_known:
         yield info(
             "checkpoint.interval",
             f"interval {c.checkpoint.interval} > steps {c.train.steps}: only the final "
