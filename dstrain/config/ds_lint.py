@@ -48,7 +48,21 @@ IMPORT_RULES = (
         "A batch size is given; `auto` train_batch_size comes with an `auto` "
         "gradient_accumulation_steps.",
     ),
-    ("ds_offload_stage", "offload_param needs stage 3."),
+    ("ds_offload_stage", "offload_param has no effect below stage 3."),
+    (
+        "ds_string_switches",
+        'A switch written as a string: "false" is on where DeepSpeed reads it with dict.get.',
+    ),
+    (
+        "ds_offload_optimizer",
+        "ZeRO-Offload with the launcher's own optimizer; partial offload on NVMe.",
+    ),
+    ("ds_zeropp", "ZeRO++ quantized gradients need reduce_scatter."),
+    (
+        "megatron_engine",
+        "Megatron-LM / Megatron-DeepSpeed's own refusals and inferences from a script's flags "
+        "(docs/check.md lists them with their sources).",
+    ),
 )
 
 # torch.optim classes DeepSpeed falls back to when `type` is not one of its own optimizers.

@@ -144,7 +144,7 @@ def _flag_combinations(flags: dict[str, Any], engine: str) -> list[Finding]:
                     "add --use-distributed-optimizer",
                 )
             )
-        if not _given(flags, "overlap_grad_reduce"):
+        if not _given(flags, "overlap_grad_reduce") and defaults_known:
             found.append(
                 error(
                     "--overlap-param-gather",
