@@ -39,6 +39,7 @@ def engine_rules(raw: dict[str, Any]) -> list[Finding]:
         *_partial_offload(zero),
         *_quantized_gradients(zero),
         *_no_optimizer_for_a_second_model(raw, zero),
+        *_hard_coded_batch_for_a_trainer(raw),
     ]
 
 
@@ -233,6 +234,34 @@ def _no_optimizer_for_a_second_model(raw: dict[str, Any], zero: dict[str, Any]) 
             )
         ]
     return []
+
+
+def _hard_coded_batch_for_a_trainer(raw: dict[str, Any]) -> list[Finding]:
+    # transformers/integrations/deepspeed.py, HfTrainerDeepSpeedConfig.trainer_config_process:
+    # `fill_match` compares a present, non-`auto` value with the Trainer's own argument and
+    # trainer_config_finalize raises "Please correct the following DeepSpeed config values that
+    # mismatch TrainingArguments values" (LlamaFactory#366: micro 16 and gas 8 in the file, the
+    # Trainer's defaults 8 and 1). A file with no `optimizer` section is one a launcher with its
+    # own optimizer (the HF Trainer, Lightning) runs; whether the numbers match is on its
+    # command line: a note.
+    hard = [
+        k
+        for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+        if isinstance(raw.get(k), int)
+    ]
+    if not hard or "optimizer" in raw:
+        return []
+    return [
+        info(
+            hard[0],
+            f"{' and '.join(hard)} hard-coded in a config without an `optimizer` section (one a "
+            "trainer with its own optimizer launches): under the HF Trainer they must equal "
+            "--per_device_train_batch_size / --gradient_accumulation_steps, or it refuses them "
+            "(`Please correct the following DeepSpeed config values that mismatch "
+            "TrainingArguments values`)",
+            'write "auto" for them when launching through the HF Trainer',
+        )
+    ]
 
 
 def _leaves(node: Any) -> list[Any]:

@@ -321,7 +321,7 @@ def rule_zero(t: CheckTarget) -> Iterable[Finding]:
             "use zero_stage = 1 or 2 with pp > 1 (DeepSpeed's pipeline engine allows only 0-1)",
         )
     if p.offload_optimizer and p.zero_stage < 2:
-        yield error(
+        yield trainer_limit(  # DeepSpeed offloads at stage 1 too (zero/stage_1_and_2.py)
             "parallel.offload_optimizer",
             f"optimizer offload needs FSDP (zero_stage >= 2), got zero_stage={p.zero_stage}",
             "set parallel.zero_stage = 2 or 3, or turn offload off",
