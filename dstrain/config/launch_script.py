@@ -330,6 +330,8 @@ def import_launch_script(text: str) -> Imported:
     engine = _engine(facts)
     out = from_deepspeed(raw, engine)
     out.findings.extend(megatron_engine.engine_rules(engine, facts.flags, facts.deepspeed))
+    unknown = [o.removeprefix("--") for o in others]
+    out.findings.extend(megatron_engine.misspelt_flags(engine, unknown, megatron.known_keys()))
     if facts.deepspeed_error:
         out.findings.append(
             error(

@@ -3,6 +3,7 @@ flags, beyond the layout rules dstrain shares with them (`rules.py`): each rule 
 source it models. Flags arrive as Megatron's argparse dests (`tensor_model_parallel_size`).
 """
 
+import difflib
 from typing import Any
 
 from dstrain.config.findings import Finding, error, info, warning
@@ -33,6 +34,87 @@ def engine_rules(engine: str, flags: dict[str, Any], ds_config: dict[str, Any] |
         findings += _two_batch_sizes(flags, ds_config)
         findings += _external_ds_config(flags, ds_config)
     return findings
+
+
+# Flags of the launchers that share a script's command line with Megatron's (torchrun, the
+# deepspeed launcher, srun, python itself): not Megatron's, and not its typos.
+_LAUNCHER_FLAGS = frozenset(
+    {
+        "nproc_per_node",
+        "nnodes",
+        "node_rank",
+        "master_addr",
+        "master_port",
+        "rdzv_backend",
+        "rdzv_endpoint",
+        "rdzv_id",
+        "rdzv_conf",
+        "max_restarts",
+        "monitor_interval",
+        "tee",
+        "redirects",
+        "log_dir",
+        "standalone",
+        "no_python",
+        "module",
+        "num_gpus",
+        "num_nodes",
+        "hostfile",
+        "include",
+        "exclude",
+        "launcher",
+        "launcher_args",
+        "ntasks",
+        "ntasks_per_node",
+        "gpus_per_node",
+        "cpus_per_task",
+        "nodes",
+        "gres",
+        "partition",
+        "time",
+        "job_name",
+        "output",
+        "error",
+        "mpi",
+        "container_image",
+        "container_mounts",
+        "local_rank",
+        "deepspeed",
+        "deepspeed_config",
+        "deepscale",
+        "deepscale_config",
+        "config_path",
+        "config_name",
+        "help",
+    }
+)
+
+
+def misspelt_flags(engine: str, unknown: list[str], known: set[str]) -> list[Finding]:
+    """Flags Megatron-LM does not know that read like one of its own: its parser
+    (argparse with allow_abbrev=False, megatron/training/arguments.py, parse_args) stops with
+    `unrecognized arguments`. A warning, since the same line carries other programs' flags."""
+    if engine not in ("Megatron-LM", "Megatron-DeepSpeed"):
+        return []
+    found = []
+    for name in unknown:
+        if name in _LAUNCHER_FLAGS or name.startswith(("no_", "disable_")):
+            continue  # store_false flags (--no-bias-swiglu-fusion) have another dest
+        # Close spellings only (difflib's ratio >= 0.85), not suggest.closest's containment
+        # fallback: `--fp8` is not a typo of `--fp8-format`.
+        matches = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
+        match = matches[0] if matches else None
+        if match and match != name:
+            flag, meant = f"--{name.replace('_', '-')}", f"--{match.replace('_', '-')}"
+            found.append(
+                warning(
+                    flag,
+                    f"{flag} is not a {engine} argument (did you mean {meant}?): its parser "
+                    "stops with `unrecognized arguments` on an unknown flag",
+                    f"rename it to {meant}, or drop it if it belongs to another program",
+                )
+            )
+    return found
 
 
 def _given(flags: dict[str, Any], name: str) -> bool:

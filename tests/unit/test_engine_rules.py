@@ -225,3 +225,13 @@ def test_what_deepspeed_does_with_a_value(tmp_path, config, level, key):
     assert (level, key) in _levels(findings), findings
     if level != "error":
         assert not [f for f in findings if f.severity == "error"], findings
+
+
+def test_a_misspelt_megatron_flag_is_named_with_the_one_meant(tmp_path):
+    _, findings = _check(tmp_path, "--tensor-model-paralel-size 2 --no-bias-swiglu-fusion")
+    warned = {f.key: f for f in findings if f.severity == "warning"}
+    assert (
+        "did you mean --tensor-model-parallel-size?"
+        in warned["--tensor-model-paralel-size"].message
+    )
+    assert "--no-bias-swiglu-fusion" not in warned  # a store_false flag, not a typo
