@@ -43,7 +43,31 @@ def parse_config_text(text: str, path: Path) -> dict[str, Any]:
             f"{path}: the top level is a {type(data).__name__}, not a table of sections",
             "write `key = value` pairs (TOML) or a JSON object `{...}`",
         )
+    bad = _non_text_keys(data)
+    if bad:
+        # YAML allows keys that are not strings (`? : x`, `1: x`); no config format has them.
+        raise UserError(
+            f"{path}: the key {bad[0]!r} is not a name (YAML read it as "
+            f"{_KINDS.get(type(bad[0]), type(bad[0]).__name__)})",
+            "write every key as a name, e.g. `train:` (quote it if it looks like a number)",
+        )
     return data
+
+
+_KINDS = {type(None): "null", bool: "a boolean", int: "a number", float: "a number"}
+
+
+def _non_text_keys(node: Any) -> list[Any]:
+    """Every key anywhere in `node` that is not a string."""
+    if isinstance(node, dict):
+        return [
+            bad
+            for key, value in node.items()
+            for bad in ([key] if not isinstance(key, str) else []) + _non_text_keys(value)
+        ]
+    if isinstance(node, list):
+        return [bad for item in node for bad in _non_text_keys(item)]
+    return []
 
 
 def parse_text(text: str, kind: str, name: str) -> Any:

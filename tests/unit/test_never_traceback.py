@@ -97,6 +97,15 @@ def test_random_text(text, suffix):
     _answer(_in_tmp(text, suffix))
 
 
+def test_yaml_keys_that_are_not_names():
+    # Found by test_random_text in CI: YAML reads `?` as {None: None} and `1: x` as {1: "x"}.
+    for text in ("?\n", "1: 2\n", "train:\n  3: 4\n"):
+        path = _in_tmp(text, ".yaml")
+        result = run_cli("check", path)
+        assert result.code == 2 and "is not a name" in result.text, result.text
+        _answer(path)
+
+
 def _real_inputs() -> list[str]:
     files = sorted(SHARED.glob("**/*.json")) if SHARED.exists() else []
     return [p.read_text() for p in files] or ['{"train_batch_size": 8, "fp16": {"enabled": true}}']
