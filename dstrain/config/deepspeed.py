@@ -7,7 +7,7 @@ Megatron-style keys that people put beside DeepSpeed's are mapped by `megatron.p
 from typing import Any
 
 from dstrain.config import ds_lint, megatron
-from dstrain.config.ds_engine import deepspeed_true
+from dstrain.config.ds_engine import ONE_BIT, deepspeed_true, uses_auto
 from dstrain.config.findings import error, info, warning
 from dstrain.config.imported import AUTO, Imported, as_bool, as_float, as_int
 
@@ -39,8 +39,6 @@ _NO_EFFECT = {
     "zero_optimization.load_from_fp32_weights": "checkpoints hold fp32 master weights",
     "zero_optimization.ignore_unused_parameters": "every parameter is used",
 }
-
-_ONE_BIT = {"onebitadam", "zerooneadam", "onebitlamb"}
 
 
 def from_deepspeed(raw: dict[str, Any], engine: str = "DeepSpeed") -> Imported:
@@ -150,7 +148,7 @@ def _map_optimizer(value: Any, out: Imported, raw: dict[str, Any]) -> None:
     else:
         hint = (
             " (for compressed communication use comm.compression = powersgd)"
-            if lowered in _ONE_BIT
+            if lowered in ONE_BIT
             else ""
         )
         out.findings.append(
@@ -408,8 +406,7 @@ def _precision_findings(raw: dict[str, Any], out: Imported) -> None:
                 "enable exactly one of them",
             )
         )
-    uses_auto = any(v == AUTO for v in _leaves(raw))
-    if fp16_on and uses_auto:
+    if fp16_on and uses_auto(raw):
         out.findings.append(
             warning(
                 "fp16.enabled",
@@ -419,9 +416,3 @@ def _precision_findings(raw: dict[str, Any], out: Imported) -> None:
                 'set fp16.enabled (and bf16.enabled) to "auto" so the launcher decides',
             )
         )
-
-
-def _leaves(node: Any) -> list[Any]:
-    if isinstance(node, dict):
-        return [leaf for v in node.values() for leaf in _leaves(v)]
-    return [node]

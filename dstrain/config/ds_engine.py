@@ -10,9 +10,9 @@ when it fails instead of guessing.
 from typing import Any
 
 from dstrain.config.findings import Finding, error, info, warning
+from dstrain.config.imported import AUTO
 
-AUTO = "auto"
-_ONE_BIT = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
+ONE_BIT = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
 _FALSE_WORDS = ("false", "0", "no", "off")
 # Scalars the engine reads with a plain dict.get (get_scalar_param in
 # deepspeed/runtime/config_utils.py), so a string's truth is what counts: "false" is on.
@@ -94,11 +94,11 @@ def _one_bit_with_zero(raw: dict[str, Any], zero: dict[str, Any]) -> list[Findin
     stage = zero.get("stage", 0)
     optimizer = raw.get("optimizer")
     kind = str(optimizer.get("type", "")) if isinstance(optimizer, dict) else ""
-    if kind.lower() in _ONE_BIT and isinstance(stage, int) and stage >= 1:
+    if kind.lower() in ONE_BIT and isinstance(stage, int) and stage >= 1:
         return [
             error(
                 "optimizer.type",
-                f"{_ONE_BIT[kind.lower()]} does not work with ZeRO (stage {stage}): DeepSpeed's "
+                f"{ONE_BIT[kind.lower()]} does not work with ZeRO (stage {stage}): DeepSpeed's "
                 "1-bit optimizers compress the full gradient all-reduce, which ZeRO replaces",
                 'set "zero_optimization": {"stage": 0} with 1-bit optimizers, or use Adam/AdamW '
                 "with ZeRO",
@@ -148,7 +148,7 @@ def _offload_with_a_client_optimizer(raw: dict[str, Any], zero: dict[str, Any]) 
         return []
     if raw.get("zero_force_ds_cpu_optimizer") is False:
         return []
-    by_hf = any(v == AUTO for v in _leaves(raw))
+    by_hf = uses_auto(raw)
     what = (
         "the HF Trainer (this file's `auto` values) passes torch's AdamW"
         if by_hf
@@ -262,6 +262,11 @@ def _hard_coded_batch_for_a_trainer(raw: dict[str, Any]) -> list[Finding]:
             'write "auto" for them when launching through the HF Trainer',
         )
     ]
+
+
+def uses_auto(raw: dict[str, Any]) -> bool:
+    """Some value is the HF Trainer's `auto`: the file is one the Trainer fills in."""
+    return any(v == AUTO for v in _leaves(raw))
 
 
 def _leaves(node: Any) -> list[Any]:

@@ -30,16 +30,20 @@ def _second_question(findings: list[Finding], engine: str) -> list[Finding]:
     """An imported config is judged by its own engine first: what only dstrain's trainer refuses
     is `unsupported` (the engine runs it), not an error, and is not said again of a key the
     engine's own rules already refuse."""
-    refused = {f.key for f in findings if f.severity == "error" and not f.trainer_limit}
-    refused |= {f.key.split(" (", 1)[0] for f in findings if f.key in refused}
+    refused = {_users_key(f) for f in findings if f.severity == "error" and not f.trainer_limit}
     out = []
     for f in findings:
         if f.severity == "error" and f.trainer_limit:
-            if f.key in refused or f.key.split(" (", 1)[0] in refused:
+            if _users_key(f) in refused:
                 continue
             f = f.as_unsupported(engine)
         out.append(f)
     return out
+
+
+def _users_key(finding: Finding) -> str:
+    """The file's own key of a finding: `zero_stage` of `zero_stage (parallel.zero_stage)`."""
+    return finding.key.split(" (", 1)[0]
 
 
 def _in_users_words(findings: list[Finding], origins: dict[str, str]) -> list[Finding]:
