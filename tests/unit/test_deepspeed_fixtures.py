@@ -12,14 +12,12 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from dstrain.config.load import load_config
 from dstrain.config.preflight import preflight
+from tests.fixture_index import load_samples, sample_params
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed"
-INDEX = yaml.safe_load((FIXTURES / "index.yaml").read_text(encoding="utf-8"))
-SAMPLES = {sample["file"]: sample for sample in INDEX["samples"]}
+FIXTURES, SAMPLES = load_samples("deepspeed")
 
 # Samples dstrain judges wrongly today (check_before in index.yaml says how). They stay in the
 # general tests below, marked strict, so the fix that makes them pass has to remove the mark.
@@ -27,16 +25,7 @@ MISJUDGED: dict[str, str] = {}
 
 
 def _samples(kind: str) -> list:
-    params = []
-    for name in sorted(SAMPLES):
-        if not name.startswith(f"{kind}/"):
-            continue
-        marks = []
-        if name in MISJUDGED:
-            reason = f"misjudged today: {MISJUDGED[name]}; tracked for the check issue"
-            marks.append(pytest.mark.xfail(strict=True, reason=reason))
-        params.append(pytest.param(name, marks=marks, id=Path(name).stem))
-    return params
+    return sample_params(SAMPLES, kind, MISJUDGED)
 
 
 def _check_args(sample: dict) -> list:

@@ -3,14 +3,11 @@ threads (tests/fixtures/megatron; index.yaml names each thread, the engine, what
 the verdict `dstrain check` owes it). A working script exits 0: at most warnings, with what
 dstrain itself cannot run at its own level (exit 3 only when asked with --for dstrain)."""
 
-from pathlib import Path
-
 import pytest
-import yaml
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron"
-INDEX = yaml.safe_load((FIXTURES / "index.yaml").read_text(encoding="utf-8"))
-SAMPLES = {sample["file"]: sample for sample in INDEX["samples"]}
+from tests.fixture_index import load_samples, sample_params
+
+FIXTURES, SAMPLES = load_samples("megatron")
 
 # Samples dstrain still judges wrongly (check_before in index.yaml says how they were judged
 # when added); marked strict, so the fix that makes one pass has to remove it from here.
@@ -18,15 +15,7 @@ MISJUDGED: dict[str, str] = {}
 
 
 def _samples(kind: str) -> list:
-    params = []
-    for name in sorted(SAMPLES):
-        if not name.startswith(f"{kind}/"):
-            continue
-        marks = []
-        if name in MISJUDGED:
-            marks.append(pytest.mark.xfail(strict=True, reason=MISJUDGED[name]))
-        params.append(pytest.param(name, marks=marks, id=Path(name).stem))
-    return params
+    return sample_params(SAMPLES, kind, MISJUDGED)
 
 
 def _check(cli, sample: dict, *extra: str):
