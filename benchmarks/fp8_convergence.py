@@ -15,8 +15,16 @@ smoothed losses. `--png` draws the curves and the relative gap.
 `--locate` adds two runs with E4M3 on one side of every GEMM only (forward, or dgrad and wgrad)
 and bf16 rounding on the other, to say which side costs the loss.
 
+`--seeds 42 43 44` runs the bf16 / fp8 pair once per seed and compares the seed-averaged
+curves as well as each pair. On a model this small one run's curve wanders by about 1 % from
+the batch order alone (the "another seed" control), and an fp8 / bf16 pair from the same seed
+drifts apart by a fraction of that from any difference in rounding (the bf16-rounding control
+drifts as far). Averaging pairs over seeds keeps what fp8 does to the loss every time and
+averages out where in the run the drift happens to peak. The controls run for the first seed
+only; `--no-controls` skips them.
+
 Usage: python benchmarks/fp8_convergence.py [--steps 300] [--window 20] [--png out.png]
-           [--set k=v ...] [--locate]
+           [--set k=v ...] [--locate] [--seeds S ...] [--no-controls]
 """
 
 import argparse
@@ -69,6 +77,10 @@ def smooth(values: list[float], window: int) -> list[float]:
         part = values[max(0, i - window + 1) : i + 1]
         out.append(sum(part) / len(part))
     return out
+
+
+def mean_curve(curves: list[list[float]]) -> list[float]:
+    return [sum(step) / len(step) for step in zip(*curves, strict=True)]
 
 
 def gaps(a: list[float], b: list[float], skip: int) -> list[float]:
@@ -148,6 +160,18 @@ def main() -> None:
         action="store_true",
         help="also run E4M3 in the forward only and in the backward only",
     )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[42],
+        help="one bf16 / fp8 pair per seed; several compare the seed-averaged curves too",
+    )
+    parser.add_argument(
+        "--no-controls",
+        action="store_true",
+        help="skip the bf16-rounding and another-seed control runs",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -166,40 +190,66 @@ def main() -> None:
             "checkpoint.enable=false",
             *args.overrides,
         ]
-        bf16, bf16_s = run(root, "bf16", [*common, "train.precision=bf16"])
-        fp8, fp8_s = run(root, "fp8", [*common, "train.precision=fp8"])
-        with bf16_rounding():
-            tiles, _ = run(root, "fp8_tiles_bf16", [*common, "train.precision=fp8"])
-        seed, _ = run(root, "bf16_seed", [*common, "train.precision=bf16", "train.seed=7"])
-        located = {}
+        pairs, seconds = [], [0.0, 0.0]
+        for seed in args.seeds:
+            seeded = [*common, f"train.seed={seed}"]
+            bf16, bf16_s = run(root, f"bf16_{seed}", [*seeded, "train.precision=bf16"])
+            fp8, fp8_s = run(root, f"fp8_{seed}", [*seeded, "train.precision=fp8"])
+            pairs.append((seed, bf16, fp8))
+            seconds = [seconds[0] + bf16_s, seconds[1] + fp8_s]
+        first = [*common, f"train.seed={args.seeds[0]}"]
+        controls = {}
+        if not args.no_controls:
+            with bf16_rounding():
+                controls["fp8 path, bf16 rounding"], _ = run(
+                    root, "fp8_tiles_bf16", [*first, "train.precision=fp8"]
+                )
+            other = max(args.seeds) + 1000
+            controls[f"bf16, seed {other}"], _ = run(
+                root, "bf16_other_seed", [*common, "train.precision=bf16", f"train.seed={other}"]
+            )
         for direction in ("forward", "backward") if args.locate else ():
             with e4m3_only_in(direction):
-                located[f"E4M3 in the {direction} only"], _ = run(
-                    root, f"fp8_{direction}", [*common, "train.precision=fp8"]
+                controls[f"E4M3 in the {direction} only"], _ = run(
+                    root, f"fp8_{direction}", [*first, "train.precision=fp8"]
                 )
     skip = args.steps // 10
-    curves = {
-        name: smooth(v, args.window)
-        for name, v in [
-            ("bf16", bf16),
-            ("fp8", fp8),
-            ("fp8 path, bf16 rounding", tiles),
-            ("bf16, seed 7", seed),
-            *located.items(),
-        ]
-    }
-    names = ("fp8", "fp8 path, bf16 rounding", "bf16, seed 7", *located)
-    rel = {f"{name} vs bf16": gaps(curves[name], curves["bf16"], skip) for name in names}
+    seed0, bf16, fp8 = pairs[0]
     print(f"CPU: {cpu_label()}; {args.steps} steps, moving average over {args.window}")
     print("| runs | mean rel. gap | largest rel. gap | final smoothed loss |")
     print("|---|---|---|---|")
-    for (label, values), run_name in zip(rel.items(), names, strict=True):
-        mean = sum(values) / len(values)
-        print(
-            f"| {label} | {100 * mean:.3f} % | {100 * max(values):.3f} % | "
-            f"{curves[run_name][-1]:.4f} vs {curves['bf16'][-1]:.4f} |"
+    rows = [(f"fp8 vs bf16, seed {s}", f, b) for s, b, f in pairs]
+    rows += [(f"{name} vs bf16, seed {seed0}", v, bf16) for name, v in controls.items()]
+    if len(pairs) > 1:
+        rows.append(
+            (
+                f"fp8 vs bf16, mean of {len(pairs)} seeds",
+                mean_curve([f for _, _, f in pairs]),
+                mean_curve([b for _, b, _ in pairs]),
+            )
         )
-    print(f"time: bf16 {bf16_s:.0f} s, fp8 {fp8_s:.0f} s (fp8 / bf16 = {fp8_s / bf16_s:.2f}x)")
+    curves, rel = {}, {}
+    for label, values, reference in rows:
+        ours, theirs = smooth(values, args.window), smooth(reference, args.window)
+        gap = gaps(ours, theirs, skip)
+        print(
+            f"| {label} | {100 * sum(gap) / len(gap):.3f} % | {100 * max(gap):.3f} % | "
+            f"{ours[-1]:.4f} vs {theirs[-1]:.4f} |"
+        )
+        rel[label] = gap
+    averaged = len(pairs) > 1
+    curves["bf16" + (" (seed mean)" if averaged else "")] = smooth(
+        mean_curve([b for _, b, _ in pairs]), args.window
+    )
+    curves["fp8" + (" (seed mean)" if averaged else "")] = smooth(
+        mean_curve([f for _, _, f in pairs]), args.window
+    )
+    if not averaged:
+        curves.update({name: smooth(v, args.window) for name, v in controls.items()})
+    print(
+        f"time: bf16 {seconds[0]:.0f} s, fp8 {seconds[1]:.0f} s "
+        f"(fp8 / bf16 = {seconds[1] / seconds[0]:.2f}x)"
+    )
     if args.png:
         plot(args.png, curves, rel, skip)
         print(f"wrote {args.png}")

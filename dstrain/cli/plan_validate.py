@@ -75,6 +75,8 @@ def _row_json(p: Prediction) -> dict:
         "measured_tokens_per_s_per_gpu": run.tokens_per_s_per_gpu,
         "predicted_tokens_per_s_per_gpu": p.tokens_per_s_per_gpu,
         "predicted_peak_memory_gib": p.estimate.memory.peak / GiB,
+        "memory_counts": run.memory_counts,
+        "predicted_memory_as_counted_gib": p.estimate.memory.counted(run.memory_counts) / GiB,
         "predicted_bubble": p.estimate.bubble_fraction,
         "errors": p.errors(),
         "impossible": p.impossible,
@@ -95,7 +97,8 @@ def _table(predictions: list[Prediction]) -> Table:
             else ""
         )
         memory = (
-            f"{run.measured['peak_memory_gib']:.1f}/{p.estimate.memory.peak / GiB:.1f} "
+            f"{run.measured['peak_memory_gib']:.1f}/"
+            f"{p.estimate.memory.counted(run.memory_counts) / GiB:.1f} "
             f"({errors['memory']:+.0%})"
             if "memory" in errors
             else ""

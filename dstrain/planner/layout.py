@@ -14,6 +14,7 @@ from dstrain.hardware import GPUSpec
 
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
+ATTENTION_KERNELS = ("flash", "unfused")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class Layout:
     moe_tp: str = "split_tokens"  # or "repeat": every tp rank routes every token (the trainer's)
     ep_overlap: bool = True  # shared experts run while the dispatch is in flight (parallel.*)
     pp_overlap: bool | None = None  # DualPipeV's OVERLAP_F_B pairs overlapped (None: auto, on GPUs)
+    # "flash" (SDPA's fused kernels: what dstrain runs) or "unfused" (softmax(QK^T)V in separate
+    # kernels, which save the s x s scores: how engines ran before FlashAttention)
+    attention: str = "flash"
 
     @property
     def world(self) -> int:

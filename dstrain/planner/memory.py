@@ -28,10 +28,14 @@ bf16's here: the E4M3 copies live only inside each GEMM, and the 1x128 / 128x128
 Activations: the tensors each layer saves for backward, counted per token in the manner of
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", sec.
 4.1), for MLA, SwiGLU and DeepSeekMoE with FlashAttention (no s x s score matrix is stored: only
-q, k, v, the output and the log-sum-exp). Tensor parallelism divides the head- and FFN-sharded
-tensors by tp; sequence parallelism also the hidden-size ones (norm inputs, residual). Recompute:
-`selective` keeps only the inputs of attention and of the FFN (the trainer checkpoints those two),
-`full` only the block input; the layer being recomputed holds its full activations once.
+q, k, v, the output and the log-sum-exp). `Layout.attention = "unfused"` adds Korthikanti's
+5 a s bytes per token and layer (the softmax output, 2 bytes, its dropout mask, 1, and the
+dropout's output, 2, for every score), which selective and full recompute drop. Tensor
+parallelism divides the head- and FFN-sharded tensors by tp; sequence parallelism also the
+hidden-size ones (norm inputs, residual). Recompute: `selective` keeps only the inputs of
+attention and of the FFN (the trainer checkpoints those two), `full` only the block input; the
+layer being recomputed holds its full activations once (after the loss's backward has freed its
+logits: the larger of the two counts).
 
 In flight on the busiest rank, in micro-batches of its own layers (m micro-batches per step):
 gpipe m; 1f1b p (Narayanan et al. 2021); interleaved-1f1b p (1 + (p-1)/(p v)) (Korthikanti et
@@ -40,13 +44,23 @@ report, Table 2: DualPipe's activation column, PP + 1). Never more than m.
 
 MoE: the routed copies of the tokens are counted top-k times, times a routing-imbalance headroom
 (the busiest expert rank receives more than the mean; 1.25, GShard's usual capacity factor).
-Logits: the head's output and its gradient in fp32 over the vocabulary shard, on the last stage,
-for the main head and each MTP module, with the MTP blocks: one micro-batch's worth, since the
-last stage runs a micro-batch's backward right after its forward under every schedule.
+Logits: the cross-entropy as dstrain (and torchtitan) run it, eager over logits upcast to fp32
+(`train/loss.py`), on the last stage, one micro-batch's worth (the last stage runs a
+micro-batch's backward right after its forward under every schedule). Per logit and head: its
+output, which the step holds until backward (2 bytes in 16 bits, 4 in fp32), the fp32
+log-softmax output its backward keeps (4) and, for 16-bit logits, a second 16-bit copy (2);
+while one head's loss runs backward, the incoming gradient and the log-softmax's input gradient
+(4 + 4) and, in 16 bits, that gradient cast back (2). The dry run measures these on dstrain's
+own step (`tests/unit/test_dry_run.py`: 16.8 bytes per logit with one head, 24.8 with an MTP
+module, where this gives 18 and 26). For the main head and each MTP module, over this rank's
+vocabulary shard, with the MTP blocks.
 
-Overhead: CUDA context, NCCL buffers and cuBLAS workspaces (a fixed 3 GiB), plus allocator
-fragmentation (10% of activations); ZeRO-3 also holds the largest layer gathered twice
-(the current one and the prefetched one).
+Overhead: CUDA context, NCCL buffers and cuBLAS workspaces (a fixed 3 GiB, outside PyTorch's
+allocator), plus allocator fragmentation (10% of activations, reserved by the caching allocator
+but not allocated); ZeRO-3 also holds the largest layer gathered twice (the current one and the
+prefetched one). `Memory.counted` gives what each way of reading the peak sees: the device
+(nvidia-smi: everything), `torch.cuda.max_memory_reserved` (no context) or
+`max_memory_allocated` (no context, no fragmentation).
 """
 
 from dataclasses import asdict, dataclass
@@ -65,6 +79,10 @@ ROUTING_HEADROOM = 1.25
 FIXED_OVERHEAD_BYTES = 3 * GiB
 FLOOR_OVERHEAD_BYTES = 1 * GiB  # the CUDA context and NCCL's buffers, with nothing cached
 FRAGMENTATION = 0.10
+MEMORY_COUNTS = ("device", "reserved", "allocated")  # how a measured peak was read
+SCORE_BYTES_UNFUSED = 5  # per attention score: softmax output 2, dropout mask 1, its output 2
+LOG_SOFTMAX_BYTES = 4  # the fp32 output each head's cross-entropy keeps for backward
+LOSS_BACKWARD_BYTES = 8  # the incoming fp32 gradient and the log-softmax's input gradient
 
 
 @dataclass(frozen=True)
@@ -78,6 +96,8 @@ class Memory:
     overhead: float
     rank: int  # the pipeline rank it is
     floor: float = 0.0  # the least this rank can hold (`memory_floor`): below it, no kernel helps
+    outside_allocator: float = 0.0  # of the overhead: CUDA context, NCCL (no torch counter sees it)
+    fragmentation: float = 0.0  # of the overhead: reserved by the caching allocator, not allocated
 
     @property
     def model_states(self) -> float:
@@ -86,6 +106,14 @@ class Memory:
     @property
     def peak(self) -> float:
         return self.model_states + self.activations + self.overhead
+
+    def counted(self, counts: str = "device") -> float:
+        """The peak as it is read: on the device (nvidia-smi), as PyTorch's caching allocator
+        reserved it (`max_memory_reserved`), or as tensors allocated it (`max_memory_allocated`)."""
+        if counts == "device":
+            return self.peak
+        reserved = self.peak - self.outside_allocator
+        return reserved if counts == "reserved" else reserved - self.fragmentation
 
     def to_json(self) -> dict[str, float]:
         parts = asdict(self)
@@ -191,7 +219,8 @@ def _rank_memory(args: ModelArgs, layout: Layout, shape: RankShape) -> Memory:
     ]
     weights, grads, optimizer = (sum(part[i] for part in parts) for i in range(3))
     activations = activation_bytes(args, layout, shape)
-    overhead = FIXED_OVERHEAD_BYTES + FRAGMENTATION * activations
+    fragmentation = FRAGMENTATION * activations
+    overhead = FIXED_OVERHEAD_BYTES + fragmentation
     gathered = 0.0
     if layout.zero >= 3 and layout.pp == 1:
         gathered = 2 * gathered_bytes(layout.precision) * _largest_layer_params(shape)
@@ -206,7 +235,17 @@ def _rank_memory(args: ModelArgs, layout: Layout, shape: RankShape) -> Memory:
         + FLOOR_OVERHEAD_BYTES
         + gathered / 2
     )
-    return Memory(weights, grads, optimizer, activations, overhead + gathered, shape.rank, floor)
+    return Memory(
+        weights,
+        grads,
+        optimizer,
+        activations,
+        overhead + gathered,
+        shape.rank,
+        floor,
+        FIXED_OVERHEAD_BYTES,
+        fragmentation,
+    )
 
 
 def activation_bytes(
@@ -226,6 +265,7 @@ def activation_bytes(
             moe,
             layout.routed_split,
             floor,
+            _scores_per_token(layout),
         )
         for moe in (False, True)
     )
@@ -233,15 +273,17 @@ def activation_bytes(
     if shape.has_embedding:
         per_microbatch += tokens * 2 * args.dim / _sp(layout)
     resident = per_microbatch * in_flight(layout, floor=floor)
-    if shape.has_head and not floor:  # the last stage runs each micro-batch's backward next
-        resident += tokens * _head_bytes_per_token(args, layout)
-    if layout.recompute != "none":  # the layer being recomputed, at full size
+    # Two peaks on top of what is held, one after the other in a micro-batch's backward, so
+    # the larger counts: the loss (the last stage runs each micro-batch's backward right after
+    # its forward), then each recomputed layer at full size.
+    loss = tokens * _head_bytes_per_token(args, layout) if shape.has_head and not floor else 0.0
+    recomputed = 0.0
+    if layout.recompute != "none":
         full = layout.with_(recompute="none")
-        biggest = max(
+        recomputed = tokens * max(
             layer_bytes_per_token(args, full, moe=m) for m in (False, shape.moe_layers > 0)
         )
-        resident += tokens * biggest
-    return resident
+    return resident + max(loss, recomputed)
 
 
 def in_flight(layout: Layout, *, floor: bool = False) -> float:
@@ -266,8 +308,21 @@ def layer_bytes_per_token(args: ModelArgs, layout: Layout, *, moe: bool) -> floa
 
 def _layer_bytes(args: ModelArgs, layout: Layout, recompute: str, moe: bool) -> float:
     return _cached_layer_bytes(
-        args, layout.tp, layout.sequence_parallel, recompute, moe, layout.routed_split
+        args,
+        layout.tp,
+        layout.sequence_parallel,
+        recompute,
+        moe,
+        layout.routed_split,
+        False,
+        _scores_per_token(layout),
     )
+
+
+def _scores_per_token(layout: Layout) -> int:
+    """Attention scores an unfused kernel saves per token and head: one per key (all seq_len
+    of them, whatever cp splits); none under FlashAttention."""
+    return layout.seq_len if layout.attention == "unfused" else 0
 
 
 @per_model
@@ -279,16 +334,20 @@ def _cached_layer_bytes(
     moe: bool,
     routed_split: int,
     floor: bool = False,
+    scores: int = 0,
 ) -> float:
     """`floor`: with a fused SwiGLU (Megatron's `bias_swiglu`, Liger's: it keeps its input and
-    recomputes the activation in backward) and routing in perfect balance; else as dstrain's
-    eager modules save them."""
+    recomputes the activation in backward), FlashAttention and routing in perfect balance; else
+    as dstrain's eager modules save them, with `scores` per token and head saved by an unfused
+    attention."""
     hidden = 2 * args.dim / (tp if sp else 1)  # one hidden-size tensor
     if recompute == "full":
         return hidden
     if recompute == "selective":
         return 3 * hidden  # the block input, and the inputs of attention and of the FFN
     attention = _attention_bytes(args, tp)
+    if not floor:
+        attention += SCORE_BYTES_UNFUSED * scores * args.num_heads / tp
     ffn = (
         _moe_bytes(args, tp, routed_split, floor)
         if moe
@@ -336,10 +395,14 @@ def _moe_bytes(args: ModelArgs, tp: int, routed_split: int, floor: bool) -> floa
 
 
 def _head_bytes_per_token(args: ModelArgs, layout: Layout) -> float:
-    """fp32 logits and their gradient over this rank's vocabulary shard, for the main head and
-    every MTP module, plus each MTP module's block."""
+    """The eager cross-entropy's peak over this rank's vocabulary shard (module docstring): each
+    head's logits and its log-softmax output, and one backward's two fp32 gradients; plus each
+    MTP module's block."""
     heads = 1 + args.num_mtp_modules
-    logits = heads * 2 * 4 * args.vocab_size / layout.tp
+    narrow = 0 if layout.precision == "fp32" else 2  # the 16-bit copy, and the cast-back gradient
+    logit = 4 if layout.precision == "fp32" else 2
+    per_logit = heads * (logit + LOG_SOFTMAX_BYTES + narrow) + LOSS_BACKWARD_BYTES + narrow
+    logits = per_logit * args.vocab_size / layout.tp
     mtp_blocks = args.num_mtp_modules * layer_bytes_per_token(args, layout, moe=True)
     return logits + mtp_blocks
 

@@ -24,9 +24,9 @@ from dstrain.errors import UserError
 from dstrain.hardware import gpu_spec
 from dstrain.model.flops import training_flops_per_token
 from dstrain.planner.estimate import Constants, Estimate, estimate
-from dstrain.planner.layout import Cluster, Layout
+from dstrain.planner.layout import ATTENTION_KERNELS, Cluster, Layout
 from dstrain.planner.legal import trainer_errors
-from dstrain.planner.memory import GiB
+from dstrain.planner.memory import MEMORY_COUNTS, GiB
 
 PUBLISHED = Path(__file__).parent / "published"
 WITHIN = 0.25  # the share of runs within 25 % is the second throughput figure
@@ -74,6 +74,7 @@ class PublishedRun:
     measured: dict[str, float]
     convention: str  # FLOP_CONVENTIONS key for measured TFLOP/s or MFU
     kind: str  # "dense" or "moe"
+    memory_counts: str = "device"  # how the source read its peak (memory.MEMORY_COUNTS)
 
     @property
     def tokens_per_s_per_gpu(self) -> float | None:
@@ -111,7 +112,8 @@ class Prediction:
             out["throughput"] = self.tokens_per_s_per_gpu / measured - 1
         if self.run.measured.get("peak_memory_gib"):
             measured_gib = self.run.measured["peak_memory_gib"]
-            out["memory"] = self.estimate.memory.peak / GiB / measured_gib - 1
+            predicted = self.estimate.memory.counted(self.run.memory_counts)
+            out["memory"] = predicted / GiB / measured_gib - 1
         if self.run.measured.get("bubble") is not None:
             out["bubble"] = self.estimate.bubble_fraction - self.run.measured["bubble"]
         return out
@@ -144,6 +146,13 @@ def _run(entry: dict[str, Any], origin: str) -> PublishedRun:
             f"{origin}: dp x tp x pp x cp = {layout.world}, not num_gpus {cluster.num_gpus}",
             "fix the entry's layout",
         )
+    memory_counts = entry.get("memory_counts") or "device"
+    for value, allowed, key in (
+        (layout.attention, ATTENTION_KERNELS, "layout.attention"),
+        (memory_counts, MEMORY_COUNTS, "memory_counts"),
+    ):
+        if value not in allowed:
+            raise UserError(f"{origin}: {key} {value!r}", f"use one of {', '.join(allowed)}")
     args = model_args_from_hf(entry["model"], origin)
     return PublishedRun(
         id=entry["id"],
@@ -157,6 +166,7 @@ def _run(entry: dict[str, Any], origin: str) -> PublishedRun:
         measured={k: v for k, v in (entry.get("measured") or {}).items() if v is not None},
         convention=entry.get("flop_convention") or "dstrain",
         kind="moe" if args.num_routed_experts else "dense",
+        memory_counts=memory_counts,
     )
 
 

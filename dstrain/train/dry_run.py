@@ -35,6 +35,7 @@ from dstrain.parallel.mesh import Meshes
 from dstrain.parallel.pipeline_sim import schedule_actions
 from dstrain.parallel.state_bytes import FP32, state_bytes
 from dstrain.planner.stages import V_SHAPED
+from dstrain.train.loss import TokenCounts, loss_terms
 from dstrain.train.runtime import Runtime, build_runtime
 from dstrain.train.step import autocast
 
@@ -210,20 +211,27 @@ def _whole_model_step(
 ) -> tuple[float, str]:
     tracker = MemTracker()
     tracker.track_external(runtime.model, runtime.optimizer)
-    with fake, tracker:
-        tokens = _tokens(config, runtime)
-        with autocast(config.train.precision, torch.device("cpu")):
-            outputs = runtime.model(tokens)
-        _loss(outputs).backward()
+    with fake:
+        with tracker:
+            tokens = _tokens(config, runtime)
+            with autocast(config.train.precision, torch.device("cpu")):
+                outputs = runtime.model(tokens)
+            _loss(outputs, tokens, runtime).backward()
+        # Outside the tracker: its peak is the moment of the largest total, and the first
+        # step's new Adam moments would make that a moment with no activations left.
         runtime.optimizer.step()
         runtime.optimizer.zero_grad(set_to_none=True)
     peak = tracker.get_tracker_snapshot("peak")
     return _activations(peak), "ran: forward, backward and optimizer step of one micro-batch"
 
 
-def _loss(outputs: object) -> torch.Tensor:
-    parts = outputs if isinstance(outputs, tuple) else (outputs,)
-    return sum(part.float().sum() for part in parts)
+def _loss(outputs: object, tokens: torch.Tensor, runtime: Runtime) -> torch.Tensor:
+    """The trainer's own loss (`train/loss.py`: each head's cross-entropy over its logits upcast
+    to fp32), so the peak holds what the real step's loss holds; the tokens stand in as labels."""
+    depths = len(outputs) if isinstance(outputs, tuple) else 1
+    counts = TokenCounts(tuple(tokens.numel() for _ in range(depths)))
+    total, _ = loss_terms(outputs, tokens, counts, runtime.model_args.mtp_loss_weight)
+    return total
 
 
 def _activations(snapshot: dict) -> float:
@@ -285,7 +293,7 @@ def _stage_step(
             outputs = module(inputs, **kwargs)
         after_forward = _activations(tracker.get_tracker_snapshot("current"))
         if chunk.head is not None:
-            _loss(outputs).backward()
+            _loss(outputs, tokens, runtime).backward()
         else:
             outputs.backward(torch.ones_like(outputs))
     peak = _activations(tracker.get_tracker_snapshot("peak"))

@@ -17,7 +17,10 @@ from dstrain.planner.estimate import estimate
 from dstrain.planner.layout import Cluster, Layout
 from dstrain.planner.legal import trainer_errors
 from dstrain.planner.memory import (
+    FIXED_OVERHEAD_BYTES,
+    FRAGMENTATION,
     in_flight,
+    layer_bytes_per_token,
     memory_per_gpu,
     model_state_bytes,
     paper_model_states,
@@ -93,6 +96,36 @@ def test_more_sharding_means_less_memory():
     tp = [memory_per_gpu(args, base.with_(dp=64 // t, tp=t)).weights for t in (1, 2, 4)]
     assert tp == sorted(tp, reverse=True)
     assert estimate(args, base, small).fits
+
+
+def test_unfused_attention_saves_korthikantis_scores_and_recompute_drops_them():
+    """Korthikanti et al. 2022 sec. 4.1: an unfused attention saves 5 a s bytes per token and
+    layer (softmax output, dropout mask and output); FlashAttention none. Selective and full
+    recompute keep only hidden-size tensors, and the floor assumes today's fused kernels."""
+    args = flavor_args("deepseek-v2-lite")
+    flash = Layout(dp=8, tp=2, seq_len=2048)
+    unfused = flash.with_(attention="unfused")
+    extra = layer_bytes_per_token(args, unfused, moe=False) - layer_bytes_per_token(
+        args, flash, moe=False
+    )
+    assert extra == 5 * (args.num_heads / 2) * 2048
+    for recompute in ("selective", "full"):
+        assert layer_bytes_per_token(
+            args, unfused.with_(recompute=recompute), moe=False
+        ) == layer_bytes_per_token(args, flash.with_(recompute=recompute), moe=False)
+    assert memory_per_gpu(args, unfused).floor == memory_per_gpu(args, flash).floor
+    assert memory_per_gpu(args, unfused).activations > memory_per_gpu(args, flash).activations
+
+
+def test_the_peak_as_each_counter_reads_it():
+    """nvidia-smi sees everything; torch's max_memory_reserved not the CUDA context and NCCL;
+    max_memory_allocated not the allocator's fragmentation either."""
+    m = memory_per_gpu(flavor_args("deepseek-v2-lite"), Layout(dp=8, seq_len=2048))
+    assert m.counted("device") == m.peak
+    assert m.counted("reserved") == pytest.approx(m.peak - FIXED_OVERHEAD_BYTES)
+    allocated = m.peak - FIXED_OVERHEAD_BYTES - FRAGMENTATION * m.activations
+    assert m.counted("allocated") == pytest.approx(allocated)
+    assert m.counted("allocated") == pytest.approx(m.model_states + m.activations)
 
 
 def test_in_flight_micro_batches_per_schedule():

@@ -22,7 +22,7 @@ from tests.conftest import run_cli
 REGRESSION = {
     "throughput_median": 0.165,
     "throughput_within": 0.64,
-    "memory_median": 0.33,
+    "memory_median": 0.06,
     "bubble_mean": 0.017,
     "impossible": 4,
 }
@@ -152,3 +152,19 @@ def test_a_layout_only_dstrain_refuses_is_still_estimated():
     answer = json.loads(zero3_pp.out)
     assert answer["legal"] is False and answer["tokens_per_s"] > 0
     assert any("ZeRO-3" in r for r in answer["illegal_reasons"])
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("memory_counts", "peak"), ("attention", "flash2")], ids=["counts", "kernel"]
+)
+def test_an_entry_with_an_unknown_memory_convention_is_refused(tmp_path, key, value):
+    import yaml
+
+    from dstrain.errors import UserError
+
+    entries = yaml.safe_load((published.PUBLISHED / "reports.yaml").read_text(encoding="utf-8"))
+    entry = next(e for e in entries if e.get("memory_counts"))
+    (entry["layout"] if key == "attention" else entry)[key] = value
+    (tmp_path / "one.yaml").write_text(yaml.safe_dump([entry]), encoding="utf-8")
+    with pytest.raises(UserError, match=key):
+        published.load(tmp_path)
