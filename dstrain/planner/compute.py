@@ -14,7 +14,9 @@ Attention's score and value products run in a fused kernel (FlashAttention, Dao 
 `attention_efficiency` of peak (FlashAttention-2 reports 50-73% on A100), its backward at 2.5x
 the forward's FLOPs (it recomputes the scores). Norms, RoPE, activations, residual adds and the
 MoE permutation are memory-bound: their traffic per token and layer is about ELEMENTWISE_PASSES
-passes over a hidden-size tensor (and top-k for the routed copies), at HBM bandwidth. Every layer
+passes over a hidden-size tensor (and top-k for the routed copies), at HBM bandwidth; so is the
+cross-entropy over the vocabulary (LOSS_BYTES_PER_LOGIT per logit), and an unfused attention's
+pass over its scores (UNFUSED_SCORE_BYTES each). Every layer
 also pays a fixed launch cost (kernels x a few microseconds).
 
 FP8 (`precision = fp8`) is what the trainer runs (model/fp8.py, DeepSeek-V3's recipe): the
@@ -36,6 +38,19 @@ from dstrain.planner.memory import GRAD_BYTES, MASTER_BYTES, moment_bytes
 from dstrain.planner.shape import RankShape
 
 ELEMENTWISE_PASSES = 16  # reads and writes of a hidden-size tensor per layer, per token
+# The eager cross-entropy over logits upcast to fp32 (`train/loss.py`; torchtitan's and
+# Megatron-LM's vocab-parallel one are alike), bytes moved per logit. Forward: read the 16-bit
+# logits and write them in fp32 (2 + 4), the log-softmax's max and sum passes and its output
+# (4 + 4 + 4 + 4). Backward: the loss's dense gradient (4), the log-softmax's backward (read 4 + 4,
+# write 4) and the cast back to 16 bits (4 + 2). About 20 each way; the backward is counted as
+# the forward's size again (`_stage_times`), so the forward carries 20.
+LOSS_BYTES_PER_LOGIT = 20
+# An unfused attention (`layout.attention = "unfused"`: Megatron-LM's fused scale-mask-softmax
+# between two batched GEMMs, no FlashAttention) writes the full s x s scores in 16 bits and passes
+# over them, bytes per score in the forward: QK^T's output (2), the softmax (read 2, write 2),
+# dropout (read 2, write 2, its mask 1) and PV's read (2). Its two GEMMs run at GEMM speed over
+# the whole square (no causal skipping); backward counts both again, as for any matmul.
+UNFUSED_SCORE_BYTES = 13
 
 
 @dataclass(frozen=True)
@@ -81,6 +96,7 @@ def stage_times(
         layout.precision,
         layout.sequence_parallel,
         layout.moe_tp,
+        layout.attention,
     )
     return _stage_times(args, key, cluster, shape, consts or ComputeConstants())
 
@@ -89,7 +105,7 @@ def stage_times(
 def _stage_times(
     args: ModelArgs, key: tuple, cluster: Cluster, shape: RankShape, consts: ComputeConstants
 ) -> StageTimes:
-    tp, ep, cp, mb, seq, recompute, precision, sp, moe_tp = key
+    tp, ep, cp, mb, seq, recompute, precision, sp, moe_tp, attention = key
     layout = Layout(
         dp=1,
         tp=tp,
@@ -101,6 +117,7 @@ def _stage_times(
         precision=precision,
         sequence_parallel=sp,
         moe_tp=moe_tp,
+        attention=attention,
     )
     chip = _Chip(cluster, layout.precision, consts)
     tokens = layout.micro_batch * layout.seq_len / layout.cp
@@ -143,6 +160,10 @@ class _Chip:
             peak, traffic = self.peak16, 2 * (m * k + k * n + m * n)
         return count * max(flops / (peak * self.consts.gemm_efficiency), traffic / self.hbm)
 
+    def matmul(self, flops: float) -> float:
+        """Compute-bound 16-bit GEMM FLOPs (batched products whose traffic is counted apart)."""
+        return flops / (self.peak16 * self.consts.gemm_efficiency)
+
     def attention(self, flops: float) -> float:
         return flops / (self.peak16 * self.consts.attention_efficiency)
 
@@ -167,8 +188,14 @@ def _layer(
     tp, d = layout.tp, args.dim
     projections = sum(chip.gemm(tokens, k, n / s) for k, n, s in _attention_matmuls(args, tp))
     qk, v = score_head_dims(args)
-    context = layout.seq_len / 2  # causal: half the scores on average
-    attention = chip.attention(2 * tokens * (args.num_heads / tp) * (qk + v) * context)
+    heads = args.num_heads / tp
+    if layout.attention == "unfused":
+        scores = tokens * heads * layout.seq_len
+        unfused = chip.matmul(2 * scores * (qk + v)) + chip.stream(UNFUSED_SCORE_BYTES * scores)
+        attention, projections = 0.0, projections + unfused
+    else:
+        context = layout.seq_len / 2  # causal: half the scores on average
+        attention = chip.attention(2 * tokens * heads * (qk + v) * context)
     ffn = (
         _moe(args, layout, chip, tokens) if moe else _swiglu(args, chip, tokens, args.inter_dim, tp)
     )
@@ -226,6 +253,7 @@ def _head(args: ModelArgs, layout: Layout, chip: _Chip, tokens: float) -> tuple[
     """The output head over this rank's vocabulary shard, and each MTP module (its projection,
     block and another head application)."""
     head = chip.gemm(tokens, args.dim, args.vocab_size / layout.tp, recipe=False)
+    head += chip.stream(LOSS_BYTES_PER_LOGIT * tokens * args.vocab_size / layout.tp)
     if not args.num_mtp_modules:
         return head, 0.0
     block, attention = _layer(args, layout, chip, tokens, moe=args.num_routed_experts > 0)

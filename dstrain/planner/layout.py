@@ -104,6 +104,8 @@ class Layout:
             extra.append("sp")
         if self.offload:
             extra.append("offload")
+        if self.attention != "flash":
+            extra.append(f"attn:{self.attention}")
         return " ".join(axes + extra)
 
 

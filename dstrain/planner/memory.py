@@ -278,8 +278,8 @@ def activation_bytes(
     # its forward), then each recomputed layer at full size.
     loss = tokens * _head_bytes_per_token(args, layout) if shape.has_head and not floor else 0.0
     recomputed = 0.0
-    if layout.recompute != "none":
-        full = layout.with_(recompute="none")
+    if layout.recompute != "none":  # at the floor with today's kernels: FlashAttention
+        full = layout.with_(recompute="none", **({"attention": "flash"} if floor else {}))
         recomputed = tokens * max(
             layer_bytes_per_token(args, full, moe=m) for m in (False, shape.moe_layers > 0)
         )

@@ -117,6 +117,37 @@ def test_unfused_attention_saves_korthikantis_scores_and_recompute_drops_them():
     assert memory_per_gpu(args, unfused).activations > memory_per_gpu(args, flash).activations
 
 
+def test_unfused_attention_and_the_loss_cost_memory_traffic():
+    """An unfused attention streams its s x s scores (UNFUSED_SCORE_BYTES each, over the whole
+    square), and the eager cross-entropy LOSS_BYTES_PER_LOGIT per logit: both memory-bound, so
+    their time is bytes over the achievable bandwidth."""
+    from dstrain.planner.compute import (
+        LOSS_BYTES_PER_LOGIT,
+        UNFUSED_SCORE_BYTES,
+        ComputeConstants,
+        _Chip,
+        _head,
+        _layer,
+    )
+
+    args = flavor_args("deepseek-v2-lite")
+    cluster = Cluster(gpu_spec("H100"), 8)
+    chip = _Chip(cluster, "bf16", ComputeConstants())
+    flash = Layout(dp=8, seq_len=4096)
+    tokens = 4096
+    fused, fused_attention = _layer(args, flash, chip, tokens, moe=False)
+    unfused, unfused_attention = _layer(
+        args, flash.with_(attention="unfused"), chip, tokens, moe=False
+    )
+    assert unfused_attention == 0.0 < fused_attention  # no fused kernel: GEMMs and a stream
+    scores = tokens * args.num_heads * 4096
+    assert unfused - (fused - fused_attention) > chip.stream(UNFUSED_SCORE_BYTES * scores)
+    head, _ = _head(args.model_copy(update={"num_mtp_modules": 0}), flash, chip, tokens)
+    gemm = chip.gemm(tokens, args.dim, args.vocab_size, recipe=False)
+    loss = chip.stream(LOSS_BYTES_PER_LOGIT * tokens * args.vocab_size)
+    assert head == pytest.approx(gemm + loss)
+
+
 def test_the_peak_as_each_counter_reads_it():
     """nvidia-smi sees everything; torch's max_memory_reserved not the CUDA context and NCCL;
     max_memory_allocated not the allocator's fragmentation either."""
@@ -166,7 +197,8 @@ def test_bubble_follows_the_schedule_closed_forms():
         args, layout.with_(schedule="interleaved-1f1b", virtual_stages=2), cluster
     )
     closed = (p - 1) / (2 * m + p - 1)
-    assert closed < interleaved.bubble_fraction < closed + 0.02
+    # the last chunk's head and eager loss over 102,400 ids weigh about 3 layers
+    assert closed < interleaved.bubble_fraction < closed + 0.035
 
 
 def test_unequal_stages_bubble_as_a_flow_shop():
