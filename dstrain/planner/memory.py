@@ -225,8 +225,15 @@ def _rank_memory(args: ModelArgs, layout: Layout, shape: RankShape) -> Memory:
     if layout.zero >= 3 and layout.pp == 1:
         gathered = 2 * gathered_bytes(layout.precision) * _largest_layer_params(shape)
     # At the floor gradients accumulate and reduce in 16 bits where the weights train in
-    # them (Megatron-LM's grad_reduce_in_fp32 = False; dstrain keeps them in fp32).
-    floor_grads = grads * (2 / GRAD_BYTES if layout.precision in ("bf16", "fp8") else 1)
+    # them (Megatron-LM's grad_reduce_in_fp32 = False; dstrain keeps them in fp32), and ZeRO-2
+    # keeps only its shard under PP too: DeepSpeed's ZeRO-2 and Llama 3's FSDP reduce-scatter
+    # every micro-batch's gradients, where dstrain's pipelining defers the sync.
+    narrow = 2 / GRAD_BYTES if layout.precision in ("bf16", "fp8") else 1
+    floor_grads = narrow * sum(
+        GRAD_BYTES * params / (shard if zero >= 2 and not layout.offload else 1)
+        for params, shard, zero in _parts(shape, layout)
+        if not (layout.offload and zero > 0)
+    )
     floor = (
         weights
         + floor_grads
@@ -345,7 +352,7 @@ def _cached_layer_bytes(
         return hidden
     if recompute == "selective":
         return 3 * hidden  # the block input, and the inputs of attention and of the FFN
-    attention = _attention_bytes(args, tp)
+    attention = _attention_bytes(args, tp, floor)
     if not floor:
         attention += SCORE_BYTES_UNFUSED * scores * args.num_heads / tp
     ffn = (
@@ -360,19 +367,23 @@ def _sp(layout: Layout) -> int:
     return layout.tp if layout.sequence_parallel else 1
 
 
-def _attention_bytes(args: ModelArgs, tp: int) -> float:
+def _attention_bytes(args: ModelArgs, tp: int, floor: bool = False) -> float:
     """MLA: the latents (replicated across tp) and the per-head tensors (split): q, k, v as the
-    attention kernel keeps them, the up-projections' outputs, the output and its log-sum-exp."""
+    attention kernel keeps them, the up-projections' outputs, the output and its log-sum-exp.
+    The output counts twice as dstrain's eager attention keeps it: the kernel's [B, H, S, D]
+    output for its backward and the [B, S, H x D] copy the output projection saves; once at the
+    `floor`, where a [B, S, H, D] kernel (FlashAttention's own layout) feeds the projection."""
     heads = args.num_heads / tp
+    outputs = 1 if floor else 2
     if args.attention == "mla":
         qk = args.qk_nope_head_dim + args.qk_rope_head_dim
         latents = 2 * args.q_lora_rank + 2 * args.kv_lora_rank + args.qk_rope_head_dim
-        per_head = 3 * qk + (args.qk_nope_head_dim + args.v_head_dim) + 2 * args.v_head_dim
+        per_head = 3 * qk + (args.qk_nope_head_dim + args.v_head_dim) + outputs * args.v_head_dim
     else:
         head_dim, _ = score_head_dims(args)
         latents = 0
         kv_share = args.kv_heads / args.num_heads
-        per_head = head_dim * (1 + 2 * kv_share) + 2 * head_dim
+        per_head = head_dim * (1 + 2 * kv_share) + outputs * head_dim
     return 2 * (latents + heads * per_head) + 4 * heads  # + fp32 log-sum-exp per head
 
 

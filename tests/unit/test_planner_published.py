@@ -24,7 +24,7 @@ REGRESSION = {
     "throughput_within": 0.73,
     "memory_median": 0.06,
     "bubble_mean": 0.018,  # 0.016 before the loss's memory traffic made head chunks heavier
-    "impossible": 4,
+    "impossible": 0,
 }
 
 
@@ -126,7 +126,7 @@ def test_does_not_fit_only_above_the_floor_and_tight_near_the_limit():
     args = flavor_args("deepseek-llm-7b")
     cluster = Cluster(gpu_spec("H100"), 8)
     base = Layout(dp=8, zero=3, global_batch=96, seq_len=4096)
-    by_micro_batch = {mb: estimate(args, base.with_(micro_batch=mb), cluster) for mb in (1, 3, 4)}
+    by_micro_batch = {mb: estimate(args, base.with_(micro_batch=mb), cluster) for mb in (1, 3, 5)}
     roomy, near, over = by_micro_batch.values()
     assert roomy.memory_verdict == "fits" and roomy.memory_margin_gib > 0.1 * 74.5
     # the estimate passes the device while the floor (fused loss, no imbalance) does not
