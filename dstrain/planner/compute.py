@@ -16,7 +16,7 @@ the forward's FLOPs (it recomputes the scores). Norms, RoPE, activations, residu
 MoE permutation are memory-bound: their traffic per token and layer is about ELEMENTWISE_PASSES
 passes over a hidden-size tensor (and top-k for the routed copies), at HBM bandwidth; so is the
 cross-entropy over the vocabulary (LOSS_BYTES_PER_LOGIT per logit), and an unfused attention's
-pass over its scores (UNFUSED_SCORE_BYTES each). Every layer
+pass over its scores (UNFUSED_SCORE_TRAFFIC each). Every layer
 also pays a fixed launch cost (kernels x a few microseconds).
 
 FP8 (`precision = fp8`) is what the trainer runs (model/fp8.py, DeepSeek-V3's recipe): the
@@ -50,7 +50,7 @@ LOSS_BYTES_PER_LOGIT = 20
 # over them, bytes per score in the forward: QK^T's output (2), the softmax (read 2, write 2),
 # dropout (read 2, write 2, its mask 1) and PV's read (2). Its two GEMMs run at GEMM speed over
 # the whole square (no causal skipping); backward counts both again, as for any matmul.
-UNFUSED_SCORE_BYTES = 13
+UNFUSED_SCORE_TRAFFIC = 13
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,7 @@ def _layer(
     heads = args.num_heads / tp
     if layout.attention == "unfused":
         scores = tokens * heads * layout.seq_len
-        unfused = chip.matmul(2 * scores * (qk + v)) + chip.stream(UNFUSED_SCORE_BYTES * scores)
+        unfused = chip.matmul(2 * scores * (qk + v)) + chip.stream(UNFUSED_SCORE_TRAFFIC * scores)
         attention, projections = 0.0, projections + unfused
     else:
         context = layout.seq_len / 2  # causal: half the scores on average

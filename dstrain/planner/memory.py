@@ -80,7 +80,7 @@ FIXED_OVERHEAD_BYTES = 3 * GiB
 FLOOR_OVERHEAD_BYTES = 1 * GiB  # the CUDA context and NCCL's buffers, with nothing cached
 FRAGMENTATION = 0.10
 MEMORY_COUNTS = ("device", "reserved", "allocated")  # how a measured peak was read
-SCORE_BYTES_UNFUSED = 5  # per attention score: softmax output 2, dropout mask 1, its output 2
+SAVED_BYTES_PER_SCORE = 5  # per attention score: softmax output 2, dropout mask 1, its output 2
 LOG_SOFTMAX_BYTES = 4  # the fp32 output each head's cross-entropy keeps for backward
 LOSS_BACKWARD_BYTES = 8  # the incoming fp32 gradient and the log-softmax's input gradient
 
@@ -230,9 +230,9 @@ def _rank_memory(args: ModelArgs, layout: Layout, shape: RankShape) -> Memory:
     # every micro-batch's gradients, where dstrain's pipelining defers the sync.
     narrow = 2 / GRAD_BYTES if layout.precision in ("bf16", "fp8") else 1
     floor_grads = narrow * sum(
-        GRAD_BYTES * params / (shard if zero >= 2 and not layout.offload else 1)
+        GRAD_BYTES * params / (shard if zero >= 2 else 1)
         for params, shard, zero in _parts(shape, layout)
-        if not (layout.offload and zero > 0)
+        if not (layout.offload and zero > 0)  # offloaded: on the host
     )
     floor = (
         weights
@@ -354,7 +354,7 @@ def _cached_layer_bytes(
         return 3 * hidden  # the block input, and the inputs of attention and of the FFN
     attention = _attention_bytes(args, tp, floor)
     if not floor:
-        attention += SCORE_BYTES_UNFUSED * scores * args.num_heads / tp
+        attention += SAVED_BYTES_PER_SCORE * scores * args.num_heads / tp
     ffn = (
         _moe_bytes(args, tp, routed_split, floor)
         if moe

@@ -118,12 +118,12 @@ def test_unfused_attention_saves_korthikantis_scores_and_recompute_drops_them():
 
 
 def test_unfused_attention_and_the_loss_cost_memory_traffic():
-    """An unfused attention streams its s x s scores (UNFUSED_SCORE_BYTES each, over the whole
+    """An unfused attention streams its s x s scores (UNFUSED_SCORE_TRAFFIC each, over the whole
     square), and the eager cross-entropy LOSS_BYTES_PER_LOGIT per logit: both memory-bound, so
     their time is bytes over the achievable bandwidth."""
     from dstrain.planner.compute import (
         LOSS_BYTES_PER_LOGIT,
-        UNFUSED_SCORE_BYTES,
+        UNFUSED_SCORE_TRAFFIC,
         ComputeConstants,
         _Chip,
         _head,
@@ -141,7 +141,7 @@ def test_unfused_attention_and_the_loss_cost_memory_traffic():
     )
     assert unfused_attention == 0.0 < fused_attention  # no fused kernel: GEMMs and a stream
     scores = tokens * args.num_heads * 4096
-    assert unfused - (fused - fused_attention) > chip.stream(UNFUSED_SCORE_BYTES * scores)
+    assert unfused - (fused - fused_attention) > chip.stream(UNFUSED_SCORE_TRAFFIC * scores)
     head, _ = _head(args.model_copy(update={"num_mtp_modules": 0}), flash, chip, tokens)
     gemm = chip.gemm(tokens, args.dim, args.vocab_size, recipe=False)
     loss = chip.stream(LOSS_BYTES_PER_LOGIT * tokens * args.vocab_size)
