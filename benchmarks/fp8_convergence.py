@@ -214,20 +214,17 @@ def main() -> None:
                     root, f"fp8_{direction}", [*first, "train.precision=fp8"]
                 )
     skip = args.steps // 10
-    seed0, bf16, fp8 = pairs[0]
+    seed0, bf16, _ = pairs[0]
+    bf16_mean = mean_curve([b for _, b, _ in pairs])
+    fp8_mean = mean_curve([f for _, _, f in pairs])
     print(f"CPU: {cpu_label()}; {args.steps} steps, moving average over {args.window}")
     print("| runs | mean rel. gap | largest rel. gap | final smoothed loss |")
     print("|---|---|---|---|")
     rows = [(f"fp8 vs bf16, seed {s}", f, b) for s, b, f in pairs]
     rows += [(f"{name} vs bf16, seed {seed0}", v, bf16) for name, v in controls.items()]
-    if len(pairs) > 1:
-        rows.append(
-            (
-                f"fp8 vs bf16, mean of {len(pairs)} seeds",
-                mean_curve([f for _, _, f in pairs]),
-                mean_curve([b for _, b, _ in pairs]),
-            )
-        )
+    averaged = len(pairs) > 1
+    if averaged:
+        rows.append((f"fp8 vs bf16, mean of {len(pairs)} seeds", fp8_mean, bf16_mean))
     curves, rel = {}, {}
     for label, values, reference in rows:
         ours, theirs = smooth(values, args.window), smooth(reference, args.window)
@@ -237,13 +234,9 @@ def main() -> None:
             f"{ours[-1]:.4f} vs {theirs[-1]:.4f} |"
         )
         rel[label] = gap
-    averaged = len(pairs) > 1
-    curves["bf16" + (" (seed mean)" if averaged else "")] = smooth(
-        mean_curve([b for _, b, _ in pairs]), args.window
-    )
-    curves["fp8" + (" (seed mean)" if averaged else "")] = smooth(
-        mean_curve([f for _, _, f in pairs]), args.window
-    )
+    suffix = " (seed mean)" if averaged else ""
+    curves[f"bf16{suffix}"] = smooth(bf16_mean, args.window)
+    curves[f"fp8{suffix}"] = smooth(fp8_mean, args.window)
     if not averaged:
         curves.update({name: smooth(v, args.window) for name, v in controls.items()})
     print(

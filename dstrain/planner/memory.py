@@ -205,18 +205,21 @@ def _parts(shape: RankShape, layout: Layout) -> list[tuple[float, int, int]]:
 
 
 def _rank_memory(args: ModelArgs, layout: Layout, shape: RankShape) -> Memory:
-    parts = [
-        model_state_bytes(
-            params,
-            zero,
-            shard,
-            layout.offload and zero > 0,
-            layout.precision,
-            layout.adam_moments,
-            layout.pp,
-        )
-        for params, shard, zero in _parts(shape, layout)
-    ]
+    def states(pp: int) -> list[tuple[float, float, float]]:
+        return [
+            model_state_bytes(
+                params,
+                zero,
+                shard,
+                layout.offload and zero > 0,
+                layout.precision,
+                layout.adam_moments,
+                pp,
+            )
+            for params, shard, zero in _parts(shape, layout)
+        ]
+
+    parts = states(layout.pp)
     weights, grads, optimizer = (sum(part[i] for part in parts) for i in range(3))
     activations = activation_bytes(args, layout, shape)
     fragmentation = FRAGMENTATION * activations
@@ -227,13 +230,10 @@ def _rank_memory(args: ModelArgs, layout: Layout, shape: RankShape) -> Memory:
     # At the floor gradients accumulate and reduce in 16 bits where the weights train in
     # them (Megatron-LM's grad_reduce_in_fp32 = False; dstrain keeps them in fp32), and ZeRO-2
     # keeps only its shard under PP too: DeepSpeed's ZeRO-2 and Llama 3's FSDP reduce-scatter
-    # every micro-batch's gradients, where dstrain's pipelining defers the sync.
+    # every micro-batch's gradients, where dstrain's pipelining defers the sync: the
+    # gradients without PP's deferral.
     narrow = 2 / GRAD_BYTES if layout.precision in ("bf16", "fp8") else 1
-    floor_grads = narrow * sum(
-        GRAD_BYTES * params / (shard if zero >= 2 else 1)
-        for params, shard, zero in _parts(shape, layout)
-        if not (layout.offload and zero > 0)  # offloaded: on the host
-    )
+    floor_grads = narrow * sum(part[1] for part in states(pp=1))
     floor = (
         weights
         + floor_grads
