@@ -9,9 +9,10 @@ from dstrain.cli.common import add_json_flag, console, positive_int
 from dstrain.errors import UserError
 
 _EPILOG = """\
-A layout is given when --tp, --pp and --ep all are (dp is what the GPUs leave, or --dp): plan
-then evaluates it, with the other knobs at their defaults (ZeRO-1, micro-batch 1, 1f1b, no
-recompute, bf16, sequence parallelism with tp > 1). Otherwise it searches every layout that
+A layout is given when --tp, --pp and --ep all are (--ep may be left out for a dense model; dp
+is what the GPUs leave, or --dp): plan then evaluates it, with the other knobs at their
+defaults (ZeRO-1, micro-batch 1, 1f1b, no recompute, bf16, sequence parallelism with tp > 1).
+Otherwise it searches every layout that
 tiles the cluster, keeping the flags you gave fixed, and ranks those that fit and that the
 trainer's own rules (dstrain check) accept by step time; then it says why the winner wins and
 why the obvious alternatives (one knob changed) lose.
@@ -165,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
     args.seq_len = args.seq_len or min(4096, model.max_seq_len)
     base, fixed = _layout(args, cluster.num_gpus)
     started = time.perf_counter()
-    if all(flag in fixed for flag in LAYOUT_FLAGS):
+    needed = LAYOUT_FLAGS if model.num_routed_experts else ("tp", "pp")
+    if all(flag in fixed for flag in needed):
         return evaluate_command(model, cluster, base, args, console())
     return search_command(model, cluster, base, fixed, args, console(), started)
 

@@ -65,6 +65,8 @@ def search_command(
     with out.status("searching layouts...", spinner="dots") if out.is_terminal else _nothing():
         found = search(model, cluster, base, fixed, top=args.top)
     seconds = time.perf_counter() - started
+    if not found.ranked and found.closest is not None:
+        return _closest_command(found.closest, model, cluster, args, out, found.evaluated)
     if not found.ranked:
         refused = found.refusals.most_common(1)
         why = f"; the trainer refused them, most often: {refused[0][0]}" if refused else ""
@@ -103,6 +105,32 @@ def search_command(
     out.print(f"  {_why_it_wins(winner)}", markup=False)
     for knob, rival, why in found.alternatives:
         out.print(f"  {knob} -> {_knob(rival.layout, knob)}: {why}", markup=False)
+    return 0
+
+
+def _closest_command(
+    e: Estimate,
+    model: ModelArgs,
+    cluster: Cluster,
+    args: argparse.Namespace,
+    out: Console,
+    evaluated: int,
+) -> int:
+    """No layout both fits by the estimate and passes the trainer's rules, but one is only tight
+    or refused only for a limit of dstrain's own: it is estimated and shown with its verdict."""
+    note = (
+        f"none of the {evaluated:,} layouts tried both fits by the estimate and passes dstrain's "
+        "trainer; the fastest that another engine could run:"
+    )
+    attach_range(e, model, cluster)
+    _emit(args, model, cluster, e)
+    if args.json:
+        print_json({**e.to_json(), "ranked": [], "closest": True, "note": note})
+        return 0
+    out.print(note, markup=False)
+    _print_estimate(e, out)
+    for reason in e.illegal:
+        out.print(f"dstrain train would refuse this layout: {reason}", markup=False)
     return 0
 
 

@@ -23,6 +23,9 @@ class SearchResult:
     fitting: int
     refusals: Counter = field(default_factory=Counter)  # the trainer's reasons, when it refused
     alternatives: list[tuple[str, Estimate, str]] = field(default_factory=list)  # knob, est, why
+    # With nothing ranked: the fastest layout that is only tight in memory (its floor fits) or
+    # refused only for a limit of dstrain's own trainer (`closest`), which other engines run.
+    closest: Estimate | None = None
 
 
 def search(
@@ -53,7 +56,27 @@ def search(
     result = SearchResult(ranked, len(estimates), len(fitting), refusals)
     if ranked:
         result.alternatives = alternatives(args, cluster, ranked[0], estimates, consts)
+    else:
+        result.closest = closest(args, cluster, estimates, consts)
     return result
+
+
+def closest(
+    args: ModelArgs, cluster: Cluster, estimates: list[Estimate], consts: Constants
+) -> Estimate | None:
+    """The fastest layout whose memory floor fits and that the trainer refuses, if at all, only
+    for a limit of its own (`Finding.trainer_limit`: context parallelism, DDP under TP, ...):
+    what a published run that another engine ran looks like when no layout is usable."""
+    possible = [e for e in estimates if e.memory_verdict != "does not fit"]
+    for e in possible:
+        if not e.step_time_s:
+            add_time(e, args, cluster, consts)
+    for e in sorted(possible, key=lambda e: (not e.fits, e.step_time_s)):
+        refusals = trainer_errors(args, e.layout, cluster)
+        if all(f.trainer_limit for f in refusals):
+            e.illegal = [f"{f.key}: {f.message}" for f in refusals]
+            return e
+    return None
 
 
 def alternatives(

@@ -333,6 +333,31 @@ def test_an_impossible_layout_gives_reasons_not_numbers(flags, said):
     assert "tokens/s" not in result.text and "Traceback" not in result.text
 
 
+def test_a_dense_model_is_evaluated_without_an_expert_degree():
+    # --ep means nothing to a dense model: --tp and --pp give the layout
+    result = run_cli(
+        "plan", "--model", "deepseek-llm-7b", "--gpu", "H100", "--num-gpus", "16",
+        "--tp", "2", "--pp", "1", "--json",
+    )  # fmt: skip
+    assert result.code == 0, result.text
+    answer = result.json()
+    assert "ranked" not in answer and answer["layout"]["dp"] == 8 and answer["tokens_per_s"] > 0
+
+
+def test_a_search_only_other_engines_can_satisfy_shows_the_closest_layout():
+    # context parallelism is a limit of dstrain's trainer, not of the layout: a search with it
+    # fixed (as a published CP run is asked about) shows the fastest such layout, not an error
+    result = run_cli(
+        "plan", "--model", "deepseek-llm-7b", "--gpu", "H100", "--num-gpus", "16",
+        "--cp", "2", "--json",
+    )  # fmt: skip
+    assert result.code == 0, result.text
+    answer = result.json()
+    assert answer["closest"] and answer["ranked"] == [] and answer["layout"]["cp"] == 2
+    assert not answer["legal"] and "context parallelism" in answer["illegal_reasons"][0]
+    assert answer["memory_verdict"] in ("fits", "tight") and answer["tokens_per_s"] > 0
+
+
 @pytest.mark.parametrize(
     ("flags", "said"),
     [
