@@ -77,7 +77,7 @@ def _row_json(p: Prediction) -> dict:
         "predicted_peak_memory_gib": p.estimate.memory.peak / GiB,
         "memory_counts": run.memory_counts,
         "predicted_memory_as_counted_gib": p.estimate.memory.counted(run.memory_counts) / GiB,
-        "predicted_bubble": p.estimate.bubble_fraction,
+        "predicted_bubble": p.predicted_bubble,
         "errors": p.errors(),
         "impossible": p.impossible,
         "dstrain_refuses": p.estimate.illegal,

@@ -174,7 +174,9 @@ def group_time(
     group of n ranks with `stride`, on the node's fabric or the network (`link_kind`).
 
     Within a node: `collective_time` at the NVLink bandwidth times `bw_efficiency_intra`.
-    Across nodes, bandwidth is the network's per GPU (the slowest hop of a ring), and the
+    Across nodes, a ring's k members on a node leave it over their own k NICs at once (NCCL
+    runs one ring channel per NIC: 8 x 200 Gb/s DGX A100 nodes reach 192 GB/s all-reduce bus
+    bandwidth, NVIDIA/nccl#812), so its bus bandwidth is k NICs', up to the node's fabric; the
     latency follows NCCL's ring model (tuning.cc): only the node-crossing steps, `latency_steps`
     over the nodes, pay alpha_inter, the rest alpha_intra. An all-reduce takes the lower of that
     and NCCL's tree latency 2((k-1) alpha_intra + log2(nodes) alpha_inter), k members per node,
@@ -190,13 +192,17 @@ def group_time(
     a_intra, a_inter = consts.alpha_intra_s, consts.alpha_inter_s
     if k == n:
         return bus_factor(op, n) * nbytes / bw_intra + calls * latency_steps(op, n) * a_intra
-    bw_inter = cluster.inter_node_gbps * 1e9 * consts.bw_efficiency_inter * factor
+    nic = cluster.inter_node_gbps * 1e9 * consts.bw_efficiency_inter * factor
     if op == "all_to_all":
+        # NCCL's all-to-all cannot aggregate NICs: each rank's share goes through its own.
         intra = (k - 1) / n * nbytes / bw_intra + calls * (k - 1) * a_intra
-        inter = (n - k) / n * nbytes / bw_inter + calls * (n - k) * a_inter
+        inter = (n - k) / n * nbytes / nic + calls * (n - k) * a_inter
         return max(intra, inter)
     if op == "p2p":
-        return nbytes / bw_inter + calls * a_inter
+        return nbytes / nic + calls * a_inter
+    # A ring's k members on a node cross to the next node over their own k NICs at once (NCCL
+    # runs one ring per NIC), so its bus bandwidth is k NICs', up to the node's fabric.
+    bw_inter = min(k * nic, bw_intra)
     nodes = -(-n // k)
     steps, cross = latency_steps(op, n), latency_steps(op, nodes)
     latency = (steps - cross) * a_intra + cross * a_inter
@@ -336,7 +342,7 @@ def comm_per_step(
         dense_params_per_rank += expert_params_per_rank
         expert_params_per_rank = 0.0
     ep = _expert_parallel(ctx, args, moe_layers_per_rank, overlap_compute_s, shared_forward_s)
-    pp = _pipeline(ctx, args)
+    pp = _pipeline(ctx, args, forward_compute_s / hide if hide else 0.0)
     dp, fwd_left, bwd_left = _data_parallel(
         ctx, "dp", dense_params_per_rank, layers_per_rank, forward_compute_s, backward_compute_s
     )
@@ -417,19 +423,33 @@ def _expert_parallel(
     return out
 
 
-def _pipeline(ctx: _Ctx, args: ModelArgs) -> AxisComm:
+def _pipeline(ctx: _Ctx, args: ModelArgs, forward_compute_s: float) -> AxisComm:
     """Narayanan et al. 2021 (Sec. 2.2): per micro-batch and stage chunk this rank holds, one
     p2p send of the [tokens, dim] activations forward and one of their gradients backward
-    (v chunks per rank: `stages_per_rank`). All of it is counted exposed, under every schedule:
-    a stage waits for its input before it computes (torch.distributed.pipelining posts each
-    receive right before the action that needs it, and our DualPipeV pairs wait for both
-    chunks' receives before they start); the p-1 extra hops of fill and drain are not counted.
-    """
+    (v chunks per rank: `stages_per_rank`).
+
+    Exposed, by how the runtime posts them:
+    - gpipe and 1f1b (torch's single-stage schedules, like Megatron-LM's non-interleaved
+      1F1B): each step sends and receives in one batch and waits for it before the next
+      compute, so every hop is on the critical path;
+    - interleaved-1f1b, zbv and dualpipev (torch's multi-stage runtime, `_add_send_recv`,
+      places each receive as early as the sender's compute allows, as Megatron-LM's
+      `--overlap-p2p-communication` does): a hop hides behind the chunks computed while it
+      travels. What stays exposed is the fill and the drain, where a rank has nothing to do
+      but wait (p - 1 hops each way), and any hop slower than the forward chunk it hides
+      behind (`forward_compute_s` is the step's forward compute on this rank)."""
     layout = ctx.layout
     if layout.pp == 1:
         return AxisComm(group_size=1)
-    hops = 2 * stages_per_rank(layout.schedule, layout.virtual_stages) * ctx.microbatches
-    return ctx.axis("pp", "p2p", hops * ctx.tokens * args.dim * ACTIVATION_BYTES, hops)
+    v = stages_per_rank(layout.schedule, layout.virtual_stages)
+    hops = 2 * v * ctx.microbatches
+    out = ctx.axis("pp", "p2p", hops * ctx.tokens * args.dim * ACTIVATION_BYTES, hops)
+    if layout.schedule not in ("gpipe", "1f1b"):
+        hop = out.seconds / hops
+        chunk = forward_compute_s / (v * ctx.microbatches)
+        fill_and_drain = 2 * (layout.pp - 1) * hop
+        out.exposed_seconds = min(out.seconds, fill_and_drain + hops * max(0.0, hop - chunk))
+    return out
 
 
 def _kv_width(args: ModelArgs, tp: int) -> int:

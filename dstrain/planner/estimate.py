@@ -53,7 +53,11 @@ class Estimate:
     step_time_s: float = 0.0
     compute_s: float = 0.0  # forward and backward (and recompute), per step
     optimizer_s: float = 0.0
-    bubble_fraction: float = 0.0
+    bubble_fraction: float = 0.0  # mean over the pipeline ranks (the trainer's pipeline timer)
+    # the busiest rank's share of the pipeline's interval spent neither computing nor in its
+    # TP, EP or CP collectives: idle, and waiting on its stage-to-stage sends (Zero Bubble's
+    # bubble rate, (cost - m (F + B + W)) / cost of the longest stage)
+    busiest_bubble: float = 0.0
     comm: CommTimes | None = None
     model_flops_per_step: float = 0.0
     num_gpus: int = 0
@@ -133,6 +137,7 @@ class Estimate:
             "tflops_per_gpu": self.tflops_per_gpu,
             "mfu": self.mfu,
             "bubble_fraction": self.bubble_fraction,
+            "busiest_rank_bubble": self.busiest_bubble,
             "comm_exposed_fraction": self.comm_exposed_fraction,
             "comm": self.comm.to_json() if self.comm is not None else {},
         }
@@ -184,6 +189,8 @@ def add_time(result: Estimate, args: ModelArgs, cluster: Cluster, consts: Consta
         _updated_params(shape, layout), layout, cluster, consts.compute
     )
     stretched = (result.compute_s + in_stage) / (1 - busiest_idle)
+    working = result.compute_s + in_stage - result.comm.pp.exposed_seconds
+    result.busiest_bubble = 1 - working / stretched if layout.pp > 1 else 0.0
     result.step_time_s = stretched + tail + result.optimizer_s
     result.model_flops_per_step = training_flops_per_token(args, layout.seq_len) * (
         layout.tokens_per_step

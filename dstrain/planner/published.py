@@ -29,6 +29,7 @@ from dstrain.planner.legal import trainer_errors
 from dstrain.planner.memory import MEMORY_COUNTS, GiB
 
 PUBLISHED = Path(__file__).parent / "published"
+BUBBLE_COUNTS = ("mean", "busiest")  # over the pipeline ranks, or the busiest rank's alone
 WITHIN = 0.25  # the share of runs within 25 % is the issue's second throughput figure
 
 
@@ -75,6 +76,7 @@ class PublishedRun:
     convention: str  # FLOP_CONVENTIONS key for measured TFLOP/s or MFU
     kind: str  # "dense" or "moe"
     memory_counts: str = "device"  # how the source read its peak (memory.MEMORY_COUNTS)
+    bubble_counts: str = "mean"  # the bubble over all pipeline ranks, or the busiest's
 
     @property
     def tokens_per_s_per_gpu(self) -> float | None:
@@ -103,6 +105,12 @@ class Prediction:
     def tokens_per_s_per_gpu(self) -> float:
         return self.estimate.tokens_per_s / self.run.layout.world
 
+    @property
+    def predicted_bubble(self) -> float:
+        """The bubble as the source counts it (`PublishedRun.bubble_counts`)."""
+        e = self.estimate
+        return e.busiest_bubble if self.run.bubble_counts == "busiest" else e.bubble_fraction
+
     def errors(self) -> dict[str, float]:
         """Relative errors (predicted / measured - 1) of throughput and memory, and the bubble's
         absolute error, for what the source measured."""
@@ -115,7 +123,7 @@ class Prediction:
             predicted = self.estimate.memory.counted(self.run.memory_counts)
             out["memory"] = predicted / GiB / measured_gib - 1
         if self.run.measured.get("bubble") is not None:
-            out["bubble"] = self.estimate.bubble_fraction - self.run.measured["bubble"]
+            out["bubble"] = self.predicted_bubble - self.run.measured["bubble"]
         return out
 
 
@@ -147,9 +155,11 @@ def _run(entry: dict[str, Any], origin: str) -> PublishedRun:
             "fix the entry's layout",
         )
     memory_counts = entry.get("memory_counts") or "device"
+    bubble_counts = entry.get("bubble_counts") or "mean"
     for value, allowed, key in (
         (layout.attention, ATTENTION_KERNELS, "layout.attention"),
         (memory_counts, MEMORY_COUNTS, "memory_counts"),
+        (bubble_counts, BUBBLE_COUNTS, "bubble_counts"),
     ):
         if value not in allowed:
             raise UserError(f"{origin}: {key} {value!r}", f"use one of {', '.join(allowed)}")
@@ -167,6 +177,7 @@ def _run(entry: dict[str, Any], origin: str) -> PublishedRun:
         convention=entry.get("flop_convention") or "dstrain",
         kind="moe" if args.num_routed_experts else "dense",
         memory_counts=memory_counts,
+        bubble_counts=bubble_counts,
     )
 
 
