@@ -24,6 +24,12 @@ class GPUSpec:
     hbm_tbps: float
     intra_node_gbps: float  # per GPU, one direction (NVLink / Infinity Fabric / PCIe)
     intra_node_link: str
+    # the architecture whose kernel measurements apply (`planner/kernels.py`): volta, ampere,
+    # hopper, blackwell, ada, cdna2, cdna3; "cpu" for a run's own CPU
+    arch: str = "other"
+    # the share of its architecture's measured kernel speed a power-capped part keeps (1 at the
+    # rated power the measurements were taken at)
+    power_share: float = 1.0
 
     @property
     def supports_bf16(self) -> bool:
@@ -50,22 +56,57 @@ class GPUSpec:
 # The GPUs whose FP8 tensor cores run DeepSeek's blockwise recipe (1x128 x 128x128 scales)
 # through torch's `scaled_mm`: SM90, with CUDA >= 12.9. Not SM100 (B200) in eager in torch 2.13,
 # nor SM89 (RTX 4090), which have FP8 but not this kernel.
-BLOCKWISE_FP8_GPUS = frozenset({"H100", "H800", "H200"})
+BLOCKWISE_FP8_GPUS = frozenset({"H100", "H100-96GB-500W", "H800", "H200"})
 
 GPUS: dict[str, GPUSpec] = {
     spec.name.lower(): spec
     for spec in (
-        GPUSpec("V100", None, 125.0, None, 15.7, None, 32, 0.90, 150, "NVLink2"),
-        GPUSpec("A100-40GB", 312.0, 312.0, None, 19.5, 156.0, 40, 1.555, 300, "NVLink3"),
-        GPUSpec("A100-80GB", 312.0, 312.0, None, 19.5, 156.0, 80, 2.039, 300, "NVLink3"),
-        GPUSpec("H100", 989.0, 989.0, 1979.0, 67.0, 494.7, 80, 3.35, 450, "NVLink4"),
-        GPUSpec("H800", 989.0, 989.0, 1979.0, 67.0, 494.7, 80, 3.35, 200, "NVLink4 (export)"),
-        GPUSpec("H200", 989.0, 989.0, 1979.0, 67.0, 494.7, 141, 4.8, 450, "NVLink4"),
-        GPUSpec("B200", 2250.0, 2250.0, 4500.0, 80.0, 1100.0, 180, 8.0, 900, "NVLink5"),
-        GPUSpec("RTX4090", 165.2, 165.2, 330.3, 82.6, 82.6, 24, 1.008, 32, "PCIe4 x16"),
-        GPUSpec("L40S", 362.0, 362.0, 733.0, 91.6, 183.0, 48, 0.864, 32, "PCIe4 x16"),
-        GPUSpec("MI250X", 383.0, 383.0, None, 47.9, None, 128, 3.2, 200, "Infinity Fabric"),
-        GPUSpec("MI300X", 1307.0, 1307.0, 2615.0, 163.4, 653.7, 192, 5.3, 448, "Infinity Fabric"),
+        GPUSpec("V100", None, 125.0, None, 15.7, None, 32, 0.90, 150, "NVLink2", "volta"),
+        GPUSpec("A100-40GB", 312.0, 312.0, None, 19.5, 156.0, 40, 1.555, 300, "NVLink3", "ampere"),
+        GPUSpec("A100-80GB", 312.0, 312.0, None, 19.5, 156.0, 80, 2.039, 300, "NVLink3", "ampere"),
+        GPUSpec("H100", 989.0, 989.0, 1979.0, 67.0, 494.7, 80, 3.35, 450, "NVLink4", "hopper"),
+        GPUSpec(
+            "H800", 989.0, 989.0, 1979.0, 67.0, 494.7, 80, 3.35, 200, "NVLink4 (export)", "hopper"
+        ),
+        # Meta's Grand Teton H100 (torchtitan's benchmarks): 96 GB of HBM2e at 2.4 TB/s, capped
+        # at 500 W. At that cap FBGEMM measured 585.2 TFLOP/s for a bf16 8192^3 GEMM
+        # (pytorch/FBGEMM#2546) against 797.5 on a 700 W H100 SXM (0.73).
+        GPUSpec(
+            "H100-96GB-500W",
+            989.0,
+            989.0,
+            1979.0,
+            67.0,
+            494.7,
+            96,
+            2.4,
+            450,
+            "NVLink4",
+            "hopper",
+            0.73,
+        ),
+        GPUSpec("H200", 989.0, 989.0, 1979.0, 67.0, 494.7, 141, 4.8, 450, "NVLink4", "hopper"),
+        GPUSpec(
+            "B200", 2250.0, 2250.0, 4500.0, 80.0, 1100.0, 180, 8.0, 900, "NVLink5", "blackwell"
+        ),
+        GPUSpec("RTX4090", 165.2, 165.2, 330.3, 82.6, 82.6, 24, 1.008, 32, "PCIe4 x16", "ada"),
+        GPUSpec("L40S", 362.0, 362.0, 733.0, 91.6, 183.0, 48, 0.864, 32, "PCIe4 x16", "ada"),
+        GPUSpec(
+            "MI250X", 383.0, 383.0, None, 47.9, None, 128, 3.2, 200, "Infinity Fabric", "cdna2"
+        ),
+        GPUSpec(
+            "MI300X",
+            1307.0,
+            1307.0,
+            2615.0,
+            163.4,
+            653.7,
+            192,
+            5.3,
+            448,
+            "Infinity Fabric",
+            "cdna3",
+        ),
     )
 }
 

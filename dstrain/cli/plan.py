@@ -137,6 +137,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="score the planner against the published training runs it ships with "
         "(dstrain/planner/published): predicted vs published throughput, memory and bubble",
     )
+    parser.add_argument(
+        "--published",
+        type=Path,
+        metavar="DIR",
+        help="with --validate: score against the runs in DIR's *.yaml files instead (the format "
+        "of dstrain/planner/published/README.md), e.g. a table of your own runs",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=positive_int, default=10, metavar="K")
     out.add_argument("--emit-config", type=Path, metavar="OUT.toml")

@@ -8,11 +8,13 @@ from rich.console import Console
 from rich.table import Table
 
 from dstrain.cli.common import print_json
+from dstrain.planner.kernels import SUSTAINED_SHARE
 from dstrain.planner.memory import GiB
 from dstrain.planner.published import (
     WITHIN,
     Prediction,
     leave_one_source_out,
+    leave_one_source_out_fit,
     load,
     predict,
     score,
@@ -20,20 +22,32 @@ from dstrain.planner.published import (
 
 
 def validate_command(args: argparse.Namespace, out: Console) -> int:
-    predictions = [predict(run) for run in load()]
-    total = score(predictions)
-    held_out = leave_one_source_out(predictions)
+    runs = load(args.published) if args.published else load()
+    with out.status("predicting the published runs...") if out.is_terminal else _quiet():
+        predictions = [predict(run) for run in runs]
+        total = score(predictions)
+        held_out = leave_one_source_out(predictions)
+        refit = leave_one_source_out_fit(runs)
     if args.json:
         print_json(
             {
                 "score": total.to_json(),
                 "leave_one_source_out": held_out,
+                "leave_one_source_out_fit": refit,
+                "sustained_share": SUSTAINED_SHARE,
                 "runs": [_row_json(p) for p in predictions],
             }
         )
         return 0
     out.print(_table(predictions))
-    out.print(_sources(held_out))
+    out.print(_sources(held_out, refit))
+    out.print(
+        f"each source predicted with the in-training share fitted on the others only: median "
+        f"error {_pct(refit['median_error'])}, {_pct(refit['within'])} within {WITHIN:.0%} "
+        f"({refit['runs']} runs); the share moves within {refit['sustained_range'][0]:.3f}-"
+        f"{refit['sustained_range'][1]:.3f} (shipped: {SUSTAINED_SHARE})",
+        markup=False,
+    )
     n = total.count
     out.print(
         f"throughput: median error {_pct(total.throughput_median)}, "
@@ -47,19 +61,39 @@ def validate_command(args: argparse.Namespace, out: Console) -> int:
     return 0
 
 
-def _sources(held_out: dict) -> Table:
-    table = Table(show_edge=False, title="by source (ranges drawn from the other sources)")
-    for column in ("source", "runs", "median error", "within 25 %", "in its 80 % range"):
+def _sources(held_out: dict, refit: dict) -> Table:
+    table = Table(show_edge=False, title="by source (ranges and the share from the other sources)")
+    columns = (
+        "source",
+        "runs",
+        "median error",
+        "within 25 %",
+        "in its 80 % range",
+        "share without it",
+        "its median error then",
+    )
+    for column in columns:
         table.add_column(column, justify="left" if column == "source" else "right")
     for key, s in held_out["by_source"].items():
+        alone = refit["by_source"].get(key, {})
         table.add_row(
             key,
             str(s["runs"]),
             _pct(s["median_error"]),
             _pct(s["within"]),
             _pct(s["range_coverage"]),
+            f"{alone['sustained']:.3f}" if alone else "",
+            _pct(alone["median_error"]) if alone else "",
         )
     return table
+
+
+class _quiet:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 def _row_json(p: Prediction) -> dict:

@@ -310,7 +310,7 @@ def _map_activation_checkpointing(value: Any, out: Imported, raw: dict[str, Any]
             "activation_checkpointing",
             "mapped to train.activation_checkpoint = full (DeepSpeed's options tune its own "
             "checkpointing API; dstrain recomputes whole blocks)",
-            "use `selective` to recompute only attention and experts",
+            "use `selective` to recompute only norms, activations and elementwise ops",
         )
     )
     if value.get("cpu_checkpointing") is True:

@@ -224,8 +224,9 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm. 0 = off.")
     activation_checkpoint: Literal["none", "selective", "full"] = Field(
         "none",
-        description="Recompute activations in backward: none, selective (attention and experts) "
-        "or full (every block).",
+        description="Recompute activations in backward: none; selective (keep every matmul's and "
+        "the attention kernel's output, recompute norms, activations and elementwise ops: a few "
+        "percent more compute); or full (keep block inputs, recompute every block).",
     )
     compile: bool = Field(False, description="torch.compile each transformer block.")
     seed: int = Field(42, ge=0, description="Seed for weights, data order and dropout.")

@@ -35,6 +35,7 @@ changes no scale: FP8 parity across data-parallel layouts rests on it. The forwa
 kept in its compute dtype (bf16) for wgrad, not in FP8 as V3 caches it.
 """
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -223,6 +224,15 @@ def by_sequence(x_BSK: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, K).t()
 
 
+_STATE = threading.local()
+
+
+def inside_fp8_gemm() -> bool:
+    """True while an FP8 GEMM's forward runs its quantisation and chunk products: the selective
+    recompute policy (`parallel/activation_checkpoint.py`) keeps none of those intermediates."""
+    return getattr(_STATE, "inside", False)
+
+
 class Fp8Matmul(torch.autograd.Function):
     """y = x @ w^T with every GEMM of forward and backward in E4M3 (module docstring).
 
@@ -235,9 +245,13 @@ class Fp8Matmul(torch.autograd.Function):
     def forward(ctx, x, w, backend):
         x_c, w_c = x.to(COMPUTE), w.to(COMPUTE)
         ctx.backend, ctx.x_dtype, ctx.w_dtype = backend, x.dtype, w.dtype
-        y = blockwise_mm(
-            quantize_tiles(x_c.reshape(-1, x.size(-1))), quantize_blocks(w_c), COMPUTE, backend
-        )
+        _STATE.inside = True
+        try:
+            y = blockwise_mm(
+                quantize_tiles(x_c.reshape(-1, x.size(-1))), quantize_blocks(w_c), COMPUTE, backend
+            )
+        finally:
+            _STATE.inside = False
         # The bf16 weight, not its E4M3 copy: under FSDP2 (bf16 param_dtype) it is the gathered
         # parameter itself, whose storage FSDP frees after forward and gathers again for
         # backward; a saved E4M3 copy would keep every layer's whole weight alive meanwhile.

@@ -41,10 +41,11 @@ from dstrain.planner.memory import GiB, resting_model_states
 
 CPU_MEMORY_TBPS = 0.2  # nominal: cache bandwidth (small models live in cache); fitted share of it
 CPU_LOOPBACK_GBPS = 5.0  # nominal gloo over loopback; bw_efficiency_intra scales it
-# What a fitted constant may become: efficiencies stay physical shares of the (nominal) peak.
+# What a fitted constant may become: the scales on the kernel tables' efficiencies (which the
+# planner caps at the whole peak) and the physical shares stay in range.
 BOUNDS = {
-    "gemm_efficiency": (0.02, 1.0),
-    "attention_efficiency": (0.01, 1.0),
+    "gemm_scale": (0.02, 2.0),
+    "attention_scale": (0.01, 3.0),
     "memory_efficiency": (0.02, 1.0),
     "layer_overhead_s": (1e-6, 0.05),
     "bw_efficiency_intra": (0.005, 1.0),
@@ -56,7 +57,7 @@ BOUNDS = {
     "p2p_factor": (0.1, 10.0),
 }
 AXES = {"dp": ("dp",), "tp": ("tp",), "ep": ("ep",), "pp": ("pp",), "cp": ("cp",)}
-COMPUTE_FIT = ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "layer_overhead_s")
+COMPUTE_FIT = ("gemm_scale", "attention_scale", "memory_efficiency", "layer_overhead_s")
 COMM_FIT = (
     "bw_efficiency_intra",
     "alpha_intra_s",
@@ -162,7 +163,17 @@ def _cluster(summary: dict, config, lines: dict[str, list[float]], world: int) -
         raise UserError("the run logged no MFU, so its device's peak is unknown", "")
     peak = _median(lines, "throughput/tflops_per_device") / mfu
     cpu = GPUSpec(
-        "cpu", peak, peak, None, peak, None, 1e3, CPU_MEMORY_TBPS, CPU_LOOPBACK_GBPS, "loopback"
+        "cpu",
+        peak,
+        peak,
+        None,
+        peak,
+        None,
+        1e3,
+        CPU_MEMORY_TBPS,
+        CPU_LOOPBACK_GBPS,
+        "loopback",
+        "cpu",
     )
     return Cluster(cpu, world, world, CPU_LOOPBACK_GBPS)
 

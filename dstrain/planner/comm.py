@@ -43,12 +43,20 @@ GRAD_BYTES = 4
 # DDP's default bucket_cap_mb=25 (MiB), which the trainer keeps.
 BUCKET_BYTES = 25 * 2**20
 
-# Per-step latency alpha, from NCCL's own tuning model (src/graph/tuning.cc, `hwLat`, Ring with
-# the Simple protocol NCCL uses for MB-sized messages): 3.4 us per step over NVLink, 14 us per
-# step over the network (9.6 us in older releases). NCCL's per-call base latency (8.4 us) is left
-# out: large messages dominate a training step.
+# Latencies from NCCL's own tuning model (src/graph/tuning.cc, the Simple protocol NCCL uses for
+# MB-sized messages): per ring step (`hwLat`) 3.4 us over NVLink and 14 us over the network (9.6
+# us in older releases); per call (`baseLat`) 8.4 us for Ring and Tree, 25 us for NVLS.
 ALPHA_INTRA_S = 3.4e-6
 ALPHA_INTER_S = 14e-6
+BASE_LATENCY_S = 8.4e-6
+NVLS_LATENCY_S = 25e-6
+# NVLink SHARP (NVLS, NCCL >= 2.17 on Hopper and newer GPUs behind an NVSwitch) reduces inside
+# the switch: 8 x H100 reach about 480 GB/s all-reduce bus bandwidth with it against about 370
+# with rings, on a 450 GB/s link (nccl-tests #212, #272, #290; nccl #1455). Its share of the
+# link, and the tree's of the ring's bandwidth (tuning.cc: `treeBw * 0.92`).
+NVLS_BUS_SHARE = 480 / 450
+TREE_BANDWIDTH_SHARE = 0.92
+NVLS_ARCHS = ("hopper", "blackwell")
 # Achievable share of the nominal per-GPU, per-direction bandwidth, as nccl-tests busbw:
 # NVLink: NCCL's tuning model capped A100 NVLink3 ring bus bandwidth at 235 of 300 GB/s (0.78);
 # 8xA100 all_reduce_perf reports 230-250 GB/s. The same share is assumed for other fabrics
@@ -72,6 +80,7 @@ class CommConstants:
 
     alpha_intra_s: float = ALPHA_INTRA_S
     alpha_inter_s: float = ALPHA_INTER_S
+    base_latency_s: float = BASE_LATENCY_S
     bw_efficiency_intra: float = BW_EFFICIENCY_INTRA
     overlap: float = 1.0
     # Per kind of collective, a factor on both links' efficiency (1: the kind reaches what the
@@ -171,45 +180,75 @@ def group_time(
     calls: float = 1,
 ) -> float:
     """Seconds of `calls` calls of `op` moving `nbytes` in all (nccl-tests size, summed) over a
-    group of n ranks with `stride`, on the node's fabric or the network (`link_kind`).
+    group of n ranks with `stride`, by the algorithm NCCL would pick (`collective`)."""
+    return collective(op, nbytes, n, stride, cluster, consts, calls)[0]
 
-    Within a node: `collective_time` at the NVLink bandwidth times `bw_efficiency_intra`.
-    Across nodes, a ring's k members on a node leave it over their own k NICs at once (NCCL
-    runs one ring channel per NIC: 8 x 200 Gb/s DGX A100 nodes reach 192 GB/s all-reduce bus
-    bandwidth, NVIDIA/nccl#812), so its bus bandwidth is k NICs', up to the node's fabric; the
-    latency follows NCCL's ring model (tuning.cc): only the node-crossing steps, `latency_steps`
-    over the nodes, pay alpha_inter, the rest alpha_intra. An all-reduce takes the lower of that
-    and NCCL's tree latency 2((k-1) alpha_intra + log2(nodes) alpha_inter), k members per node,
-    as NCCL picks its faster algorithm (the tree's bandwidth term is about the ring's).
-    An all-to-all sends (k-1)/n of its bytes over NVLink and (n-k)/n over the network at once:
-    its time is the larger of the two parts.
+
+def collective(
+    op: str,
+    nbytes: float,
+    n: int,
+    stride: int,
+    cluster: Cluster,
+    consts: CommConstants,
+    calls: float = 1,
+) -> tuple[float, str]:
+    """(seconds, algorithm) of `calls` calls of `op` over the group, as NCCL's tuner chooses:
+    the fastest of the algorithms it has for the op and the hardware (tuning.cc,
+    `ncclTopoGetAlgoTime`: latency per call plus bytes over the algorithm's bandwidth).
+
+    - Ring: within a node at the NVLink bandwidth times `bw_efficiency_intra`. Across nodes a
+      ring's k members on a node leave it over their own k NICs at once (NCCL runs one ring
+      channel per NIC: 8 x 200 Gb/s DGX A100 nodes reach 192 GB/s all-reduce bus bandwidth,
+      NVIDIA/nccl#812), so its bus bandwidth is k NICs', up to the node's fabric; only the
+      node-crossing steps, `latency_steps` over the nodes, pay alpha_inter, the rest
+      alpha_intra.
+    - Tree (all-reduce across nodes): 0.92 of the ring's bandwidth, latency
+      2((k-1) alpha_intra + log2(nodes) alpha_inter), which wins when many nodes make the
+      ring's latency long.
+    - NVLS (all-reduce within a Hopper or newer node on NVSwitch): the switch reduces, at
+      `NVLS_BUS_SHARE` of the link, 25 us a call.
+    - An all-to-all sends (k-1)/n of its bytes over NVLink and (n-k)/n over the network at once
+      (NCCL's grouped sends cannot aggregate NICs: each rank's share goes through its own);
+      its time is the larger of the two parts.
     """
     if n <= 1 or calls <= 0:
-        return 0.0
+        return 0.0, "none"
     k = ranks_per_node(n, stride, cluster.gpus_per_node)
     factor = _kind_factor(op, consts)
     bw_intra = cluster.gpu.intra_node_gbps * 1e9 * consts.bw_efficiency_intra * factor
-    a_intra, a_inter = consts.alpha_intra_s, consts.alpha_inter_s
+    a_intra, a_inter, base = consts.alpha_intra_s, consts.alpha_inter_s, consts.base_latency_s
+    per_call = calls * base
     if k == n:
-        return bus_factor(op, n) * nbytes / bw_intra + calls * latency_steps(op, n) * a_intra
+        ring = bus_factor(op, n) * nbytes / bw_intra + per_call
+        ring += calls * latency_steps(op, n) * a_intra
+        if op == "all_reduce" and _has_nvls(cluster):
+            link = cluster.gpu.intra_node_gbps * 1e9 * NVLS_BUS_SHARE * factor
+            nvls = bus_factor(op, n) * nbytes / link + calls * NVLS_LATENCY_S
+            return min((ring, "ring"), (nvls, "nvls"))
+        return ring, "ring" if op not in ("all_to_all", "p2p") else op
     nic = cluster.inter_node_gbps * 1e9 * consts.bw_efficiency_inter * factor
     if op == "all_to_all":
-        # NCCL's all-to-all cannot aggregate NICs: each rank's share goes through its own.
         intra = (k - 1) / n * nbytes / bw_intra + calls * (k - 1) * a_intra
         inter = (n - k) / n * nbytes / nic + calls * (n - k) * a_inter
-        return max(intra, inter)
+        return max(intra, inter) + per_call, op
     if op == "p2p":
-        return nbytes / nic + calls * a_inter
-    # A ring's k members on a node cross to the next node over their own k NICs at once (NCCL
-    # runs one ring per NIC), so its bus bandwidth is k NICs', up to the node's fabric.
+        return nbytes / nic + calls * a_inter + per_call, op
     bw_inter = min(k * nic, bw_intra)
     nodes = -(-n // k)
     steps, cross = latency_steps(op, n), latency_steps(op, nodes)
-    latency = (steps - cross) * a_intra + cross * a_inter
-    if op == "all_reduce":
-        tree = 2 * ((k - 1) * a_intra + math.ceil(math.log2(nodes)) * a_inter)
-        latency = min(latency, tree)
-    return bus_factor(op, n) * nbytes / bw_inter + calls * latency
+    ring = bus_factor(op, n) * nbytes / bw_inter + per_call
+    ring += calls * ((steps - cross) * a_intra + cross * a_inter)
+    if op != "all_reduce":
+        return ring, "ring"
+    hops = (k - 1) * a_intra + math.ceil(math.log2(nodes)) * a_inter
+    tree = bus_factor(op, n) * nbytes / (TREE_BANDWIDTH_SHARE * bw_inter)
+    tree += per_call + calls * 2 * hops
+    return min((ring, "ring"), (tree, "tree"))
+
+
+def _has_nvls(cluster: Cluster) -> bool:
+    return cluster.gpu.arch in NVLS_ARCHS and cluster.gpu.intra_node_link.startswith("NVLink")
 
 
 @dataclass(slots=True)
@@ -222,6 +261,7 @@ class AxisComm:
     exposed_seconds: float = 0.0
     link: str = "none"
     group_size: int = 1
+    algorithm: str = "none"  # NCCL's: ring, tree or nvls (all_to_all, p2p: their own)
 
     def to_json(self) -> dict:
         return {
@@ -230,6 +270,7 @@ class AxisComm:
             "exposed_seconds": self.exposed_seconds,
             "link": self.link,
             "group_size": self.group_size,
+            "algorithm": self.algorithm,
         }
 
 
@@ -279,8 +320,8 @@ class _Ctx:
     def axis(self, name: str, op: str, nbytes: float, calls: float) -> AxisComm:
         """An AxisComm with `calls` calls of `op` over `name`'s group, all of it exposed."""
         n, stride = self.spans[name]
-        seconds = group_time(op, nbytes, n, stride, self.cluster, self.consts, calls)
-        return AxisComm(nbytes, seconds, seconds, link_kind(n, stride, self.cluster), n)
+        seconds, algorithm = collective(op, nbytes, n, stride, self.cluster, self.consts, calls)
+        return AxisComm(nbytes, seconds, seconds, link_kind(n, stride, self.cluster), n, algorithm)
 
     def time(self, name: str, op: str, nbytes: float, calls: float = 1) -> float:
         n, stride = self.spans[name]
@@ -366,9 +407,11 @@ def _tensor_parallel(ctx: _Ctx, args: ModelArgs, layers: int, holds_head: bool) 
     their gradients in backward; full recompute runs the forward's two again (6 instead of 4).
     Sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2) replaces each all-reduce by a
     reduce-scatter and an all-gather of the same size: twice the bytes by nccl-tests' count,
-    the same ring time. The head all-gathers the [tokens, vocab] logits once per micro-batch and
-    per MTP module (no loss-parallel in the trainer). All of it is exposed: every collective
-    sits between two matmuls that need its result."""
+    the same ring time. Without loss parallelism (dstrain's trainer) the head all-gathers the
+    [tokens, vocab] logits once per micro-batch and per MTP module; under it (Megatron-LM's
+    vocab-parallel cross-entropy) only the loss's two [tokens] statistics are all-reduced, which
+    is left out. All of it is exposed: every collective sits between two matmuls that need its
+    result."""
     tp = ctx.layout.tp
     if tp == 1:
         return AxisComm(group_size=1)
@@ -381,7 +424,7 @@ def _tensor_parallel(ctx: _Ctx, args: ModelArgs, layers: int, holds_head: bool) 
         out.bytes *= 2
     else:
         out = ctx.axis("tp", "all_reduce", calls * size, calls)
-    if holds_head:
+    if holds_head and not ctx.layout.loss_parallel:
         gathers = ctx.microbatches * (1 + args.num_mtp_modules)
         logits = gathers * ctx.tokens * args.vocab_size * ACTIVATION_BYTES
         out.seconds += ctx.time("tp", "all_gather", logits, gathers)
@@ -399,7 +442,8 @@ def _expert_parallel(
 ) -> AxisComm:
     """GShard (Lepikhin et al. 2020) / Switch routing as in the DeepSeek-V3 report (Sec. 3.2):
     per MoE layer per micro-batch a dispatch and a combine all-to-all in forward and the same
-    two in backward (two more under full recompute), each of the token copies this rank routes:
+    two in backward (two more under full recompute, and under the trainer's selective one, which
+    runs the routed experts again whole), each of the token copies this rank routes:
     tokens * top_k * dim * 2 bytes, over tp under moe_tp = split_tokens (each tp rank routes
     its share; under repeat every tp rank routes the full set).
 
@@ -412,7 +456,11 @@ def _expert_parallel(
         return AxisComm(group_size=ctx.layout.ep)
     size = ctx.tokens / ctx.layout.routed_split * args.num_activated_experts * args.dim
     size *= ACTIVATION_BYTES
-    calls = (6 if ctx.recompute_full else 4) * moe_layers * ctx.microbatches
+    # dstrain's selective recompute runs its routed experts again whole, all-to-alls included
+    again = ctx.recompute_full or (
+        ctx.layout.recompute == "selective" and ctx.layout.recompute_matmuls is None
+    )
+    calls = (6 if again else 4) * moe_layers * ctx.microbatches
     out = ctx.axis("ep", "all_to_all", calls * size, calls)
     paired = ctx.layout.paired_share
     hidden = min(paired * out.seconds, overlap_compute_s)
@@ -531,7 +579,8 @@ def _data_parallel(
     fwd_window, bwd_window = forward_s * rounds / m, backward_s * rounds / m
     exposed = max(0.0, fwd - fwd_window) + min(bwd, max(0.0, bwd - bwd_window) + last)
     nbytes = gather * (2 if bwd_gather else 1) + rounds * grads
-    out = AxisComm(nbytes, fwd + bwd, exposed, link_kind(n, stride, ctx.cluster), n)
+    algorithm = collective("reduce_scatter", grads, n, stride, ctx.cluster, ctx.consts)[1]
+    out = AxisComm(nbytes, fwd + bwd, exposed, link_kind(n, stride, ctx.cluster), n, algorithm)
     return out, max(0.0, forward_s - fwd), max(0.0, backward_s - bwd)
 
 

@@ -1,64 +1,86 @@
-"""Compute time of one micro-batch on one pipeline rank, from its matmuls and memory traffic.
+"""Compute time of one micro-batch on one pipeline rank, from its GEMMs, its attention kernel and
+its memory traffic, each at the speed published measurements give its kernel (`kernels.py`).
 
-Each matmul (M x K times K x N, 16-bit) takes the roofline time (Williams et al. 2009):
+Each GEMM (M x K by K x N) runs three times a step, each with its own shape: forward
+[M, K] x [K, N], input gradient [M, N] x [N, K] and weight gradient [K, M] x [M, N] (Kaplan et al.
+2020, sec. 2.1, for the count). Each takes the roofline time (Williams et al. 2009) at its
+shape's efficiency, plus the per-kernel floor:
 
-    max(2 M K N / (peak x gemm_efficiency), 2 (M K + K N + M N) / (HBM bandwidth x mem_efficiency))
+    floor + max(2 M K N / (peak x gemm_efficiency(M, N, K)), bytes moved / (HBM x mem_efficiency))
 
-so small matmuls (a thin micro-batch, an expert that receives few tokens) are memory-bound and
-run far below peak: matmul size matters. `gemm_efficiency` is the share of the datasheet peak
-that large cuBLAS matmuls reach (about 0.7-0.8 on A100/H100 in NVIDIA's published GEMM
-benchmarks; 0.75 here, fitted by `dstrain plan --calibrate`). Backward runs two matmuls per
-forward matmul (input and weight gradients: Kaplan et al. 2020, sec. 2.1).
+so small GEMMs (a thin micro-batch, an expert that receives few tokens, a short K) run far below
+peak, and thin ones are memory-bound: shape matters. A grouped GEMM (the routed experts) fills
+the GPU with all its groups' tiles at once and pays one floor.
 
-Attention's score and value products run in a fused kernel (FlashAttention, Dao 2023) at
-`attention_efficiency` of peak (FlashAttention-2 reports 50-73% on A100), its backward at 2.5x
-the forward's FLOPs (it recomputes the scores). Norms, RoPE, activations, residual adds and the
-MoE permutation are memory-bound: their traffic per token and layer is about ELEMENTWISE_PASSES
-passes over a hidden-size tensor (and top-k for the routed copies), at HBM bandwidth; so is the
-cross-entropy over the vocabulary (LOSS_BYTES_PER_LOGIT per logit), and an unfused attention's
-pass over its scores (UNFUSED_SCORE_TRAFFIC each). Every layer
-also pays a fixed launch cost (kernels x a few microseconds).
+Attention's score and value products run in a fused kernel (`layout.attention`: "flash", the
+newest for the GPU, or "flash2") at its measured efficiency for the sequence length, head dim
+and direction, its backward at 2.5x the forward's FLOPs (it recomputes the scores). Norms, RoPE,
+activations, residual adds and the MoE permutation are memory-bound: ELEMENTWISE_PASSES passes
+over a hidden-size tensor per token and layer forward (and top-k more for the routed copies),
+twice that in backward; so is the cross-entropy over the vocabulary (LOSS_BYTES_PER_LOGIT per
+logit each way), and an unfused attention's passes over its scores (UNFUSED_SCORE_TRAFFIC
+each). Every layer also pays the launch floor of its other kernels (`layer_overhead_s`).
 
 FP8 (`precision = fp8`) is what the trainer runs (model/fp8.py, DeepSeek-V3's recipe): the
 attention projections, dense and shared-expert SwiGLUs, routed experts and MTP projection at the
-FP8 peak, their operands read in 1 byte plus the online quantisation of each input (read 2 bytes,
-write 1); the router, the output head and attention's fused kernel at the bf16 peak.
+FP8 peak and FP8's own measured efficiency, their operands read in 1 byte plus the online
+quantisation of each input (read 2 bytes, write 1); the router, the output head and attention's
+fused kernel in 16 bits.
 
-Recompute (`selective`, which in the trainer checkpoints attention and the FFN, and `full`) runs
-the forward again in backward.
+Recompute: `full` runs the whole forward again in backward; `selective` only what is neither a
+matmul nor the fused attention kernel (norms, RoPE, activations, elementwise), as the trainer's
+per-op policy saves every matmul's and the attention kernel's output (`parallel/
+activation_checkpoint.py`), and an unfused attention's core, whose scores it drops (Korthikanti
+et al. 2022, sec. 5: Megatron-LM's selective recompute); plus what the trainer's policy runs
+again whole (its routed experts, up-projections and FP8 GEMMs), or, for another engine,
+`Layout.recompute_matmuls` of all the matmuls (torchtitan's per-op policy runs every other one
+again).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dstrain.config.model_args import ModelArgs
 from dstrain.model.flops import score_head_dims
+from dstrain.planner.kernels import (
+    GEMM_FLOOR_S,
+    GEMMS,
+    SUSTAINED_SHARE,
+    attention_efficiency,
+    gemm_efficiency,
+)
 from dstrain.planner.layout import Cluster, Layout
 from dstrain.planner.memo import per_model
-from dstrain.planner.memory import GRAD_BYTES, MASTER_BYTES, moment_bytes
+from dstrain.planner.memory import GRAD_BYTES, MASTER_BYTES, UP_PROJECTION, moment_bytes
 from dstrain.planner.shape import RankShape
 
-ELEMENTWISE_PASSES = 16  # reads and writes of a hidden-size tensor per layer, per token
+ELEMENTWISE_PASSES = 16  # reads and writes of a hidden-size tensor per layer, per token, forward
+BACKWARD_PASSES = 2  # backward's elementwise traffic against forward's: the gradient and the input
 # The eager cross-entropy over logits upcast to fp32 (`train/loss.py`; torchtitan's and
 # Megatron-LM's vocab-parallel one are alike), bytes moved per logit. Forward: read the 16-bit
 # logits and write them in fp32 (2 + 4), the log-softmax's max and sum passes and its output
 # (4 + 4 + 4 + 4). Backward: the loss's dense gradient (4), the log-softmax's backward (read 4 + 4,
-# write 4) and the cast back to 16 bits (4 + 2). About 20 each way; the backward is counted as
-# the forward's size again (`_stage_times`), so the forward carries 20.
+# write 4) and the cast back to 16 bits (4 + 2). About 20 each way.
 LOSS_BYTES_PER_LOGIT = 20
 # An unfused attention (`layout.attention = "unfused"`: Megatron-LM's fused scale-mask-softmax
 # between two batched GEMMs, no FlashAttention) writes the full s x s scores in 16 bits and passes
 # over them, bytes per score in the forward: QK^T's output (2), the softmax (read 2, write 2),
-# dropout (read 2, write 2, its mask 1) and PV's read (2). Its two GEMMs run at GEMM speed over
-# the whole square (no causal skipping); backward counts both again, as for any matmul.
+# dropout (read 2, write 2, its mask 1) and PV's read (2). Its two GEMMs run over the whole
+# square (no causal skipping); the softmax and dropout's backward moves as much again.
 UNFUSED_SCORE_TRAFFIC = 13
 
 
 @dataclass(frozen=True)
 class ComputeConstants:
-    gemm_efficiency: float = 0.75
-    attention_efficiency: float = 0.5
-    memory_efficiency: float = 0.8  # share of HBM bandwidth streaming kernels reach
-    layer_overhead_s: float = 40 * 4e-6  # per layer and pass: ~40 kernel launches of ~4 us
+    """What `dstrain plan --calibrate` fits: scales on the measured kernel efficiencies of
+    `kernels.py` (1: as published), the share of HBM bandwidth streaming kernels reach, and
+    the launch floor of a layer's non-GEMM kernels per pass (about 20 of them at 4 us)."""
+
+    gemm_scale: float = 1.0
+    attention_scale: float = 1.0
+    memory_efficiency: float = 0.8
+    layer_overhead_s: float = 20 * 4e-6
+    # the share of their measured speed GPU kernels keep inside a training step (`kernels.py`)
+    sustained: float = SUSTAINED_SHARE
 
 
 @dataclass(frozen=True)
@@ -75,6 +97,33 @@ class StageTimes:
     @property
     def total(self) -> float:
         return self.forward + self.backward + self.weight
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """Seconds of some kernels in each pass: forward, input gradient (B), weight gradient (W),
+    `cheap`: the part of the forward a selective recompute runs again (what is not a matmul or
+    the fused attention kernel), `matmul`: the forward's matmuls, and `heavy`: the costly
+    forward dstrain's selective policy runs again all the same (its FP8 GEMMs, which are not
+    single ops, and its routed experts, whose top-k copies it does not keep)."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+    weight: float = 0.0
+    cheap: float = 0.0
+    matmul: float = 0.0
+    heavy: float = 0.0
+
+    def _parts(self) -> tuple[float, ...]:
+        return (self.forward, self.backward, self.weight, self.cheap, self.matmul, self.heavy)
+
+    def __add__(self, other: "_Pass") -> "_Pass":
+        return _Pass(*(a + b for a, b in zip(self._parts(), other._parts(), strict=True)))
+
+    def __mul__(self, factor: float) -> "_Pass":
+        return _Pass(*(factor * x for x in self._parts()))
+
+    __rmul__ = __mul__
 
 
 def stage_times(
@@ -97,6 +146,8 @@ def stage_times(
         layout.sequence_parallel,
         layout.moe_tp,
         layout.attention,
+        layout.loss_parallel,
+        layout.recompute_matmuls,
     )
     return _stage_times(args, key, cluster, shape, consts or ComputeConstants())
 
@@ -105,7 +156,7 @@ def stage_times(
 def _stage_times(
     args: ModelArgs, key: tuple, cluster: Cluster, shape: RankShape, consts: ComputeConstants
 ) -> StageTimes:
-    tp, ep, cp, mb, seq, recompute, precision, sp, moe_tp, attention = key
+    tp, ep, cp, mb, seq, recompute, precision, sp, moe_tp, attention, loss_parallel, matmuls = key
     layout = Layout(
         dp=1,
         tp=tp,
@@ -118,54 +169,87 @@ def _stage_times(
         sequence_parallel=sp,
         moe_tp=moe_tp,
         attention=attention,
+        loss_parallel=loss_parallel,
+        recompute_matmuls=matmuls,
     )
     chip = _Chip(cluster, layout.precision, consts)
     tokens = layout.micro_batch * layout.seq_len / layout.cp
-    dense = _layer(args, layout, chip, tokens, moe=False)
-    moe = _layer(args, layout, chip, tokens, moe=True) if shape.moe_layers else (0.0, 0.0)
-    forward = shape.dense_layers * dense[0] + shape.moe_layers * moe[0]
-    attention = shape.dense_layers * dense[1] + shape.moe_layers * moe[1]
+    total = _Pass()
+    if shape.dense_layers:
+        total += shape.dense_layers * _layer(args, layout, chip, tokens, moe=False)
+    if shape.moe_layers:
+        total += shape.moe_layers * _layer(args, layout, chip, tokens, moe=True)
     if shape.has_head:
-        head, head_attention = _head(args, layout, chip, tokens)
-        forward += head
-        attention += head_attention
-    gemm_forward = forward - attention
-    recompute = forward if layout.recompute != "none" else 0.0
+        total += _head(args, layout, chip, tokens)
     width = args.num_shared_experts * args.moe_inter_dim
-    shared = shape.moe_layers * _swiglu(args, chip, tokens, width, layout.tp) if width else 0.0
-    # Backward: one more matmul of the forward's size each for input and weight gradients;
-    # attention's backward (input side) at 2.5x its forward.
-    backward = gemm_forward + 2.5 * attention + recompute
-    return StageTimes(forward, backward, gemm_forward, shared)
+    shared = shape.moe_layers * _swiglu(args, chip, tokens, width, layout.tp) if width else _Pass()
+    share = layout.recompute_matmuls
+    selective = total.cheap + (total.heavy if share is None else share * total.matmul)
+    recomputed = {"none": 0.0, "selective": selective, "full": total.forward}
+    backward = total.backward + recomputed[layout.recompute]
+    return StageTimes(total.forward, backward, total.weight, shared.forward)
 
 
 class _Chip:
     def __init__(self, cluster: Cluster, precision: str, consts: ComputeConstants) -> None:
         gpu = cluster.gpu
+        self.arch = gpu.arch
         self.fp8 = precision == "fp8"
         self.peak = gpu.peak_tflops(precision) * 1e12  # the recipe's GEMMs (all, unless fp8)
         self.peak16 = gpu.peak_tflops("bf16") * 1e12 if self.fp8 else self.peak
         self.hbm = gpu.hbm_tbps * 1e12 * consts.memory_efficiency
         self.consts = consts
+        # a GPU's measured kernels slow down inside a step; a run's own CPU was measured there
+        inside = gpu.power_share * (consts.sustained if gpu.arch in GEMMS else 1.0)
+        self.gemm_scale = consts.gemm_scale * inside
+        self.attention_scale = consts.attention_scale * inside
 
     def gemm(
-        self, m: float, k: float, n: float, count: float = 1.0, *, recipe: bool = True
-    ) -> float:
-        """`recipe`: a GEMM the FP8 recipe covers (False: the router and the head, bf16)."""
+        self,
+        m: float,
+        k: float,
+        n: float,
+        count: float = 1.0,
+        *,
+        recipe: bool = True,
+        grouped: bool = False,
+    ) -> _Pass:
+        """`count` GEMMs of [m, k] x [k, n] (a layer's weight [k, n] on m tokens) in all three
+        passes. `recipe`: one the FP8 recipe covers (False: the router and the head, 16-bit).
+        `grouped`: the count run as one grouped GEMM (the routed experts), which fills the GPU
+        with all its groups' tiles and pays one kernel floor."""
+        group = count if grouped else 1.0
+        floors = (1.0 if grouped else count) * GEMM_FLOOR_S
+        forward = count * self._one(m, k, n, recipe, group) + floors
+        return _Pass(
+            forward,
+            count * self._one(m, n, k, recipe, group) + floors,
+            count * self._one(k, m, n, recipe, group) + floors,
+            0.0,
+            forward,
+            forward if self.fp8 and recipe else 0.0,
+        )
+
+    def _one(self, m: float, k: float, n: float, recipe: bool, group: float) -> float:
+        """Roofline seconds of one [m, k] x [k, n] product (no floor)."""
         flops = 2 * m * k * n
         if self.fp8 and recipe:
             # E4M3 operands (1 byte), bf16 output, and quantising both inputs (2 in, 1 out).
-            peak, traffic = self.peak, (m * k + k * n) * (1 + 3) + 2 * m * n
+            peak, traffic, dtype = self.peak, (m * k + k * n) * (1 + 3) + 2 * m * n, "fp8"
         else:
-            peak, traffic = self.peak16, 2 * (m * k + k * n + m * n)
-        return count * max(flops / (peak * self.consts.gemm_efficiency), traffic / self.hbm)
+            peak, traffic, dtype = self.peak16, 2 * (m * k + k * n + m * n), "bf16"
+        efficiency = gemm_efficiency(self.arch, dtype, group * m, n, k) * self.gemm_scale
+        return max(flops / (peak * min(efficiency, 1.0)), traffic / self.hbm)
 
-    def matmul(self, flops: float) -> float:
-        """Compute-bound 16-bit GEMM FLOPs (batched products whose traffic is counted apart)."""
-        return flops / (self.peak16 * self.consts.gemm_efficiency)
-
-    def attention(self, flops: float) -> float:
-        return flops / (self.peak16 * self.consts.attention_efficiency)
+    def attention(self, flops: float, seq_len: float, head_dim: float, kernel: str) -> _Pass:
+        """A fused attention kernel of `flops` forward FLOPs (causal, as FlashAttention counts
+        them), its backward at 2.5x as many."""
+        scale = self.attention_scale
+        forward, backward = (
+            min(1.0, scale * attention_efficiency(self.arch, kernel, seq_len, head_dim, backward=b))
+            for b in (False, True)
+        )
+        return _Pass(flops / (self.peak16 * forward), 2.5 * flops / (self.peak16 * backward))
 
     def stream(self, nbytes: float) -> float:
         return nbytes / self.hbm
@@ -181,27 +265,43 @@ def optimizer_seconds(
     return chip.stream(params * (GRAD_BYTES + 2 * state))
 
 
-def _layer(
-    args: ModelArgs, layout: Layout, chip: _Chip, tokens: float, *, moe: bool
-) -> tuple[float, float]:
-    """(forward seconds, of which attention's fused kernel) of one layer."""
+def _layer(args: ModelArgs, layout: Layout, chip: _Chip, tokens: float, *, moe: bool) -> _Pass:
+    """One layer's kernels in the three passes."""
     tp, d = layout.tp, args.dim
-    projections = sum(chip.gemm(tokens, k, n / s) for k, n, s in _attention_matmuls(args, tp))
-    qk, v = score_head_dims(args)
-    heads = args.num_heads / tp
-    if layout.attention == "unfused":
-        scores = tokens * heads * layout.seq_len
-        unfused = chip.matmul(2 * scores * (qk + v)) + chip.stream(UNFUSED_SCORE_TRAFFIC * scores)
-        attention, projections = 0.0, projections + unfused
+    total = _Pass()
+    for k, n, split in _attention_matmuls(args, tp):
+        gemm = chip.gemm(tokens, k, n / split)
+        # the trainer's selective recompute runs an up-projection again (MLA's)
+        total += replace(gemm, heavy=gemm.forward) if n >= UP_PROJECTION * k else gemm
+    total += _scores(args, layout, chip, tokens)
+    if moe:
+        total += _moe(args, layout, chip, tokens)
     else:
-        context = layout.seq_len / 2  # causal: half the scores on average
-        attention = chip.attention(2 * tokens * heads * (qk + v) * context)
-    ffn = (
-        _moe(args, layout, chip, tokens) if moe else _swiglu(args, chip, tokens, args.inter_dim, tp)
-    )
+        total += _swiglu(args, chip, tokens, args.inter_dim, tp)
     passes = ELEMENTWISE_PASSES + (4 * args.num_activated_experts if moe else 0)
     stream = chip.stream(passes * tokens * 2 * d / (tp if layout.sequence_parallel else 1))
-    return projections + attention + ffn + stream + chip.consts.layer_overhead_s, attention
+    cheap = stream + chip.consts.layer_overhead_s
+    return total + _Pass(cheap, BACKWARD_PASSES * cheap, 0.0, cheap)
+
+
+def _scores(args: ModelArgs, layout: Layout, chip: _Chip, tokens: float) -> _Pass:
+    """The score and value products: a fused kernel, or an unfused one's two batched GEMMs over
+    the whole square (backward: both of each product's gradients are input gradients) and its
+    passes over the scores."""
+    qk, v = score_head_dims(args)
+    heads = args.num_heads / layout.tp
+    seq = layout.seq_len
+    if layout.attention != "unfused":
+        flops = 2 * tokens * heads * (qk + v) * seq / 2  # causal: half the scores on average
+        return chip.attention(flops, seq, qk, layout.attention)
+    sequences = tokens / seq * heads
+    score = chip.gemm(seq, qk, seq, sequences, recipe=False, grouped=True)  # Q K^T
+    value = chip.gemm(seq, seq, v, sequences, recipe=False, grouped=True)  # P V
+    products = score + value
+    stream = chip.stream(UNFUSED_SCORE_TRAFFIC * tokens * heads * seq)
+    forward = products.forward + stream
+    # Selective recompute drops the scores and runs this core again (Korthikanti et al. 2022)
+    return _Pass(forward, products.backward + products.weight + stream, 0.0, forward)
 
 
 def _attention_matmuls(args: ModelArgs, tp: int) -> list[tuple[float, float, float]]:
@@ -227,35 +327,37 @@ def _attention_matmuls(args: ModelArgs, tp: int) -> list[tuple[float, float, flo
     ]
 
 
-def _swiglu(args: ModelArgs, chip: _Chip, tokens: float, width: float, tp: int) -> float:
+def _swiglu(args: ModelArgs, chip: _Chip, tokens: float, width: float, tp: int) -> _Pass:
     ups = 2 if args.mlp == "swiglu" else 1
     return chip.gemm(tokens, args.dim, width / tp, ups) + chip.gemm(tokens, width / tp, args.dim)
 
 
-def _moe(args: ModelArgs, layout: Layout, chip: _Chip, tokens: float) -> float:
+def _moe(args: ModelArgs, layout: Layout, chip: _Chip, tokens: float) -> _Pass:
     """Router, shared experts (tp-split) and this rank's routed experts: the rank routes its
     share of the tokens (1 / tp of them under moe_tp = split_tokens, all under repeat) and
-    receives about as many x top-k routed copies (balanced), spread over its E / ep experts."""
+    receives about as many x top-k routed copies (balanced), spread over its E / ep experts,
+    which run as grouped GEMMs."""
     routed_tokens = tokens / layout.routed_split
     router = chip.gemm(routed_tokens, args.dim, args.num_routed_experts, recipe=False)
     width = args.num_shared_experts * args.moe_inter_dim
-    shared = _swiglu(args, chip, tokens, width, layout.tp) if width else 0.0
-    local_experts = args.num_routed_experts / layout.ep
-    per_expert = routed_tokens * args.num_activated_experts / local_experts
+    shared = _swiglu(args, chip, tokens, width, layout.tp) if width else _Pass()
+    local = args.num_routed_experts / layout.ep
+    per_expert = routed_tokens * args.num_activated_experts / local
     inter = args.moe_inter_dim
-    routed = chip.gemm(per_expert, args.dim, inter, 2 * local_experts) + chip.gemm(
-        per_expert, inter, args.dim, local_experts
-    )
-    return router + shared + routed
+    ups = chip.gemm(per_expert, args.dim, inter, 2 * local, grouped=True)
+    down = chip.gemm(per_expert, inter, args.dim, local, grouped=True)
+    routed = ups + down
+    return router + shared + replace(routed, heavy=routed.forward)
 
 
-def _head(args: ModelArgs, layout: Layout, chip: _Chip, tokens: float) -> tuple[float, float]:
-    """The output head over this rank's vocabulary shard, and each MTP module (its projection,
-    block and another head application)."""
+def _head(args: ModelArgs, layout: Layout, chip: _Chip, tokens: float) -> _Pass:
+    """The output head over this rank's vocabulary shard and its loss, and each MTP module (its
+    projection, block and another head application)."""
     head = chip.gemm(tokens, args.dim, args.vocab_size / layout.tp, recipe=False)
-    head += chip.stream(LOSS_BYTES_PER_LOGIT * tokens * args.vocab_size / layout.tp)
+    loss = chip.stream(LOSS_BYTES_PER_LOGIT * tokens * args.vocab_size / layout.loss_vocab_split)
+    head += _Pass(loss, loss)  # no recompute: the loss runs its backward right after
     if not args.num_mtp_modules:
-        return head, 0.0
-    block, attention = _layer(args, layout, chip, tokens, moe=args.num_routed_experts > 0)
+        return head
+    block = _layer(args, layout, chip, tokens, moe=args.num_routed_experts > 0)
     proj = chip.gemm(tokens, 2 * args.dim, args.dim)
-    return head + args.num_mtp_modules * (block + proj + head), args.num_mtp_modules * attention
+    return head + args.num_mtp_modules * (block + proj + head)

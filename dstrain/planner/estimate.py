@@ -28,11 +28,13 @@ from dstrain.planner.compute import (
     optimizer_seconds,
     stage_times,
 )
+from dstrain.planner.kernels import comm_sm_share
 from dstrain.planner.layout import Cluster, Layout
 from dstrain.planner.memory import GiB, Memory, memory_per_gpu
 from dstrain.planner.shape import RankShape, rank_shapes
 
 IN_STAGE = ("tp", "ep", "pp", "cp")
+OVERLAPPED = ("dp", "edp", "ep", "cp")  # the axes whose collectives overlap compute
 TIGHT = 0.10  # an estimate within 10 % of the device is "tight": the estimate's own error
 DATA_PARALLEL = ("dp", "edp")
 
@@ -188,7 +190,13 @@ def add_time(result: Estimate, args: ModelArgs, cluster: Cluster, consts: Consta
     result.optimizer_s = optimizer_seconds(
         _updated_params(shape, layout), layout, cluster, consts.compute
     )
-    stretched = (result.compute_s + in_stage) / (1 - busiest_idle)
+    # A collective that hides behind compute still takes its SMs from it (`kernels.py`).
+    hidden = sum(
+        getattr(result.comm, axis).seconds - getattr(result.comm, axis).exposed_seconds
+        for axis in OVERLAPPED
+    )
+    contended = hidden * comm_sm_share(cluster.gpu.arch)
+    stretched = (result.compute_s + contended + in_stage) / (1 - busiest_idle)
     working = result.compute_s + in_stage - result.comm.pp.exposed_seconds
     result.busiest_bubble = 1 - working / stretched if layout.pp > 1 else 0.0
     result.step_time_s = stretched + tail + result.optimizer_s

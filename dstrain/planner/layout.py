@@ -14,7 +14,11 @@ from dstrain.hardware import GPUSpec
 
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
-ATTENTION_KERNELS = ("flash", "unfused")
+# "flash": the newest fused kernel for the GPU (FlashAttention-3 / cuDNN on Hopper, which torch's
+# SDPA prefers there from 2.9, as Transformer Engine does); "flash2": FlashAttention-2 (torch's
+# SDPA on Hopper up to 2.8); "unfused": softmax(QK^T)V in separate kernels (engines before
+# FlashAttention), which save the s x s scores.
+ATTENTION_KERNELS = ("flash", "flash2", "unfused")
 
 
 @dataclass(frozen=True)
@@ -38,9 +42,21 @@ class Layout:
     moe_tp: str = "split_tokens"  # or "repeat": every tp rank routes every token (the trainer's)
     ep_overlap: bool = True  # shared experts run while the dispatch is in flight (parallel.*)
     pp_overlap: bool | None = None  # DualPipeV's OVERLAP_F_B pairs overlapped (None: auto, on GPUs)
-    # "flash" (SDPA's fused kernels: what dstrain runs) or "unfused" (softmax(QK^T)V in separate
-    # kernels, which save the s x s scores: how engines ran before FlashAttention)
-    attention: str = "flash"
+    attention: str = "flash"  # one of ATTENTION_KERNELS: "flash" is what dstrain runs
+    # The loss over each tp rank's vocabulary shard (Megatron-LM's vocab-parallel cross-entropy,
+    # torch's `loss_parallel`); False: the logits are all-gathered over tp first, as dstrain's
+    # trainer does
+    loss_parallel: bool = False
+    # The share of the matmuls' outputs a selective recompute drops and runs again. None: as
+    # dstrain's trainer does, none but its FP8 GEMMs (quantisation and chunk products, not one
+    # op its per-op policy can keep); 0: Megatron-LM's selective recompute; 0.5: torchtitan's
+    # per-op policy, which keeps every other matmul's output
+    recompute_matmuls: float | None = None
+
+    @property
+    def loss_vocab_split(self) -> int:
+        """Ranks the loss's logits are split over: tp under loss parallelism, else 1."""
+        return self.tp if self.loss_parallel else 1
 
     @property
     def world(self) -> int:

@@ -52,8 +52,9 @@ log-softmax output its backward keeps (4) and, for 16-bit logits, a second 16-bi
 while one head's loss runs backward, the incoming gradient and the log-softmax's input gradient
 (4 + 4) and, in 16 bits, that gradient cast back (2). The dry run measures these on dstrain's
 own step (`tests/unit/test_dry_run.py`: 16.8 bytes per logit with one head, 24.8 with an MTP
-module, where this gives 18 and 26). For the main head and each MTP module, over this rank's
-vocabulary shard, with the MTP blocks.
+module, where this gives 18 and 26). For the main head and each MTP module, over the whole
+vocabulary (dstrain's trainer all-gathers the logits over tp), or over this rank's shard under
+`Layout.loss_parallel` (Megatron-LM's vocab-parallel cross-entropy), with the MTP blocks.
 
 Overhead: CUDA context, NCCL buffers and cuBLAS workspaces (a fixed 3 GiB, outside PyTorch's
 allocator), plus allocator fragmentation (10% of activations, reserved by the caching allocator
@@ -83,6 +84,9 @@ MEMORY_COUNTS = ("device", "reserved", "allocated")  # how a measured peak was r
 SAVED_BYTES_PER_SCORE = 5  # per attention score: softmax output 2, dropout mask 1, its output 2
 LOG_SOFTMAX_BYTES = 4  # the fp32 output each head's cross-entropy keeps for backward
 LOSS_BACKWARD_BYTES = 8  # the incoming fp32 gradient and the log-softmax's input gradient
+# The trainer's selective recompute runs again a matmul whose output is this many times wider
+# than its input or more (`parallel/activation_checkpoint.py`): MLA's up-projections
+UP_PROJECTION = 8
 
 
 @dataclass(frozen=True)
@@ -273,6 +277,9 @@ def activation_bytes(
             layout.routed_split,
             floor,
             _scores_per_token(layout),
+            layout.ep,
+            _matmuls_kept(layout),
+            layout.recompute_matmuls is not None,
         )
         for moe in (False, True)
     )
@@ -323,7 +330,18 @@ def _layer_bytes(args: ModelArgs, layout: Layout, recompute: str, moe: bool) -> 
         layout.routed_split,
         False,
         _scores_per_token(layout),
+        layout.ep,
+        _matmuls_kept(layout),
+        layout.recompute_matmuls is not None,
     )
+
+
+def _matmuls_kept(layout: Layout) -> float:
+    """The share of the matmuls' outputs a selective recompute keeps: all but those
+    `Layout.recompute_matmuls` drops; by default (dstrain's trainer) all but the FP8 GEMMs'."""
+    if layout.recompute_matmuls is not None:
+        return 1.0 - layout.recompute_matmuls
+    return 0.0 if layout.precision == "fp8" else 1.0
 
 
 def _scores_per_token(layout: Layout) -> int:
@@ -342,6 +360,9 @@ def _cached_layer_bytes(
     routed_split: int,
     floor: bool = False,
     scores: int = 0,
+    ep: int = 1,
+    kept: float = 1.0,
+    other_engine: bool = False,
 ) -> float:
     """`floor`: with a fused SwiGLU (Megatron's `bias_swiglu`, Liger's: it keeps its input and
     recomputes the activation in backward), FlashAttention and routing in perfect balance; else
@@ -351,7 +372,11 @@ def _cached_layer_bytes(
     if recompute == "full":
         return hidden
     if recompute == "selective":
-        return 3 * hidden  # the block input, and the inputs of attention and of the FFN
+        # At the floor what full recompute keeps: no selective policy keeps less, and engines'
+        # policies differ (DeepSeek-V3 recomputes its up-projections and caches FP8 inputs)
+        if floor:
+            return hidden
+        return _selective_bytes(args, tp, hidden, moe, routed_split, floor, ep, kept, other_engine)
     attention = _attention_bytes(args, tp, floor)
     if not floor:
         attention += SAVED_BYTES_PER_SCORE * scores * args.num_heads / tp
@@ -361,6 +386,76 @@ def _cached_layer_bytes(
         else _dense_ffn_bytes(args, args.inter_dim, tp, floor)
     )
     return 4 * hidden + attention + ffn  # the block input, norm inputs and outputs
+
+
+def _selective_bytes(
+    args: ModelArgs,
+    tp: int,
+    hidden: float,
+    moe: bool,
+    routed_split: int,
+    floor: bool,
+    ep: int,
+    kept: float = 1.0,
+    other_engine: bool = False,
+) -> float:
+    """What the trainer's selective recompute keeps per token and layer
+    (`parallel/activation_checkpoint.py`): the block's input, and the output of every matmul,
+    of the attention kernel and of the reduce-scatters, all-reduces and all-to-alls; not the
+    norms', RoPE's, the activations' or any elementwise op's, nor the routed experts' (it runs
+    them again whole) nor the up-projections' (MLA's, `UP_PROJECTION`). `kept`: the share of the
+    matmuls' outputs kept (`Layout.recompute_matmuls`); `other_engine`: another engine's policy,
+    which keeps the routed copies' and the up-projections' outputs too.
+
+    The attention and FFN output projections' products are [tokens, dim] on every tp rank
+    (partial sums before their reduction), and their reduced copies are kept beside them."""
+    full = 2 * args.dim
+    heads = args.num_heads / tp
+    if args.attention == "mla":
+        products = sum(
+            width / split for width, split, up in mla_products(args, tp) if other_engine or not up
+        )
+    else:
+        head_dim, _ = score_head_dims(args)
+        products = heads * head_dim * (1 + 2 * args.kv_heads / args.num_heads)  # q, k, v
+    kernel = heads * (2 * _value_dim(args) + 4)  # the attention kernel's output and fp32 lse
+    ups = 2 if args.mlp == "swiglu" else 1
+    # the block input; the projections' outputs (attention's and the FFN's) and their reduced
+    # copies under tp; attention's products and its kernel's output
+    kept_bytes = hidden + (2 * hidden if tp > 1 else 0.0) + kernel
+    matmuls = 2 * full + 2 * products
+    if not moe:
+        return kept_bytes + kept * (matmuls + 2 * ups * args.inter_dim / tp)
+    headroom = 1.0 if floor else ROUTING_HEADROOM
+    copies = args.num_activated_experts * headroom / routed_split
+    # another engine's policy keeps each routed copy's gate, up and down products; under expert
+    # parallelism also the copy the dispatch all-to-all delivered and the one the combine returned
+    if other_engine:
+        matmuls += copies * (2 * ups * args.moe_inter_dim + full)
+        kept_bytes += copies * 2 * full if ep > 1 else 0.0
+    width = args.num_shared_experts * args.moe_inter_dim
+    matmuls += (2 * ups * width / tp + full) if width else 0.0
+    return kept_bytes + 4 * args.num_routed_experts + kept * matmuls
+
+
+def mla_products(args: ModelArgs, tp: int) -> list[tuple[float, int, bool]]:
+    """MLA's projections' outputs per token: (width, tp split, an up-projection the trainer's
+    selective recompute runs again)."""
+    heads = args.num_heads
+    qk = args.qk_nope_head_dim + args.qk_rope_head_dim
+    kv = args.qk_nope_head_dim + args.v_head_dim
+    out = [(args.kv_lora_rank + args.qk_rope_head_dim, 1, False)]
+    out.append((heads * kv, tp, heads * kv >= UP_PROJECTION * args.kv_lora_rank))
+    if args.q_lora_rank:
+        out.append((args.q_lora_rank, 1, False))
+        out.append((heads * qk, tp, heads * qk >= UP_PROJECTION * args.q_lora_rank))
+    else:
+        out.append((heads * qk, tp, False))
+    return out
+
+
+def _value_dim(args: ModelArgs) -> int:
+    return score_head_dims(args)[1]
 
 
 def _sp(layout: Layout) -> int:
@@ -406,14 +501,15 @@ def _moe_bytes(args: ModelArgs, tp: int, routed_split: int, floor: bool) -> floa
 
 
 def _head_bytes_per_token(args: ModelArgs, layout: Layout) -> float:
-    """The eager cross-entropy's peak over this rank's vocabulary shard (module docstring): each
+    """The eager cross-entropy's peak over the vocabulary it sees (the whole of it, gathered over
+    tp, unless `Layout.loss_parallel`; module docstring): each
     head's logits and its log-softmax output, and one backward's two fp32 gradients; plus each
     MTP module's block."""
     heads = 1 + args.num_mtp_modules
     narrow = 0 if layout.precision == "fp32" else 2  # the 16-bit copy, and the cast-back gradient
     logit = 4 if layout.precision == "fp32" else 2
     per_logit = heads * (logit + LOG_SOFTMAX_BYTES + narrow) + LOSS_BACKWARD_BYTES + narrow
-    logits = per_logit * args.vocab_size / layout.tp
+    logits = per_logit * args.vocab_size / layout.loss_vocab_split
     mtp_blocks = args.num_mtp_modules * layer_bytes_per_token(args, layout, moe=True)
     return logits + mtp_blocks
 

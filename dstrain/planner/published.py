@@ -128,10 +128,31 @@ class Prediction:
 
 
 def load(directory: Path = PUBLISHED) -> list[PublishedRun]:
+    """The runs of every *.yaml in `directory`; a bad file or entry is one clear error."""
+    paths = sorted(directory.glob("*.yaml")) if directory.is_dir() else []
+    if not paths:
+        raise UserError(
+            f"{directory}: no *.yaml files of published runs",
+            "give a folder of YAML lists in the format of dstrain/planner/published/README.md",
+        )
     runs = []
-    for path in sorted(directory.glob("*.yaml")):
-        for entry in yaml.safe_load(path.read_text(encoding="utf-8")) or []:
-            runs.append(_run(entry, f"{path.name}: {entry.get('id', '?')}"))
+    for path in paths:
+        try:
+            entries = yaml.safe_load(path.read_text(encoding="utf-8")) or []
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            raise UserError(f"{path}: not readable YAML ({exc})", "fix the file") from None
+        if not isinstance(entries, list):
+            raise UserError(f"{path}: not a YAML list of runs", "make it a list of entries")
+        for entry in entries:
+            origin = f"{path.name}: {entry.get('id', '?') if isinstance(entry, dict) else entry}"
+            try:
+                runs.append(_run(entry, origin))
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise UserError(
+                    f"{origin}: {type(exc).__name__}: {exc}",
+                    "every entry needs id, source_key, source, url, model, params_b, gpu, "
+                    "num_gpus and layout (dstrain/planner/published/README.md)",
+                ) from None
     ids = [r.id for r in runs]
     if len(ids) != len(set(ids)):
         raise UserError(f"duplicate ids in {directory}", "give every entry its own id")
@@ -142,6 +163,13 @@ def _run(entry: dict[str, Any], origin: str) -> PublishedRun:
     lay = dict(entry["layout"])
     lay.pop("assumed", None)
     schedule = lay.pop("schedule", None) or "1f1b"
+    # Every engine of the table splits the loss over the vocabulary under TP (Megatron-LM's
+    # vocab-parallel cross-entropy, and its forks; torchtitan's loss_parallel): an entry says
+    # otherwise.
+    lay.setdefault("loss_parallel", True)
+    # Their selective recompute keeps every matmul's output (Megatron-LM and its forks, whose
+    # FP8 GEMMs are single Transformer Engine ops): an entry says otherwise (torchtitan's 0.5).
+    lay.setdefault("recompute_matmuls", 0.0)
     layout = Layout(**{k: v for k, v in lay.items() if v is not None}, schedule=schedule)
     cluster = Cluster(
         gpu_spec(entry["gpu"]),
@@ -372,3 +400,76 @@ def attach_range(e: Estimate, args: ModelArgs, cluster: Cluster) -> None:
     if e.step_time_s and (table := load_residuals()):
         per_gpu = e.tokens_per_s / e.layout.world
         e.throughput_range = throughput_range(per_gpu, features(args, e.layout, cluster), table)
+
+
+# The in-training share of the kernels' measured speed (`kernels.SUSTAINED_SHARE`): the one
+# constant the point predictions learn from this table, fitted here and checked out of source.
+SUSTAINED_RANGE = (0.5, 1.0)
+
+
+def fit_sustained(runs: list[PublishedRun], *, leave_out: str | None = None) -> float:
+    """The share that minimises the mean absolute log throughput error over `runs` (those of
+    source `leave_out` excluded): a golden-section search, the error being unimodal in it."""
+    from dataclasses import replace
+
+    pool = [r for r in runs if r.tokens_per_s_per_gpu and r.source_key != leave_out]
+
+    def error(share: float) -> float:
+        consts = Constants(replace(Constants().compute, sustained=share))
+        return statistics.fmean(
+            abs(math.log(predict_throughput(r, consts) / r.tokens_per_s_per_gpu)) for r in pool
+        )
+
+    low, high = SUSTAINED_RANGE
+    ratio = (math.sqrt(5) - 1) / 2
+    a, b = high - ratio * (high - low), low + ratio * (high - low)
+    fa, fb = error(a), error(b)
+    for _ in range(18):  # the bracket shrinks to 0.5 x 0.618^18 < 1e-4
+        if fa < fb:
+            high, b, fb = b, a, fa
+            a = high - ratio * (high - low)
+            fa = error(a)
+        else:
+            low, a, fa = a, b, fb
+            b = low + ratio * (high - low)
+            fb = error(b)
+    return (low + high) / 2
+
+
+def predict_throughput(run: PublishedRun, consts: Constants) -> float:
+    """Predicted tokens/s per GPU of a published run under `consts` (no legality, no range)."""
+    result = estimate(run.args, run.layout, run.cluster, consts)
+    return result.tokens_per_s / run.layout.world
+
+
+def leave_one_source_out_fit(runs: list[PublishedRun]) -> dict[str, Any]:
+    """Each source predicted with the in-training share fitted on the other sources only: its
+    median error and share within 25 %, and the fitted shares' spread. This is the held-out
+    check of the one constant the point predictions learn from the table."""
+    from dataclasses import replace
+
+    by_source: dict[str, dict[str, Any]] = {}
+    errors: list[float] = []
+    for key in sorted({r.source_key for r in runs if r.tokens_per_s_per_gpu}):
+        share = fit_sustained(runs, leave_out=key)
+        consts = Constants(replace(Constants().compute, sustained=share))
+        mine = [
+            abs(predict_throughput(r, consts) / r.tokens_per_s_per_gpu - 1)
+            for r in runs
+            if r.source_key == key and r.tokens_per_s_per_gpu
+        ]
+        errors += mine
+        by_source[key] = {
+            "sustained": share,
+            "runs": len(mine),
+            "median_error": statistics.median(mine),
+            "within": sum(e <= WITHIN for e in mine) / len(mine),
+        }
+    shares = [v["sustained"] for v in by_source.values()]
+    return {
+        "median_error": statistics.median(errors),
+        "within": sum(e <= WITHIN for e in errors) / len(errors),
+        "runs": len(errors),
+        "sustained_range": (min(shares), max(shares)),
+        "by_source": by_source,
+    }

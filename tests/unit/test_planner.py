@@ -119,15 +119,15 @@ def test_unfused_attention_saves_korthikantis_scores_and_recompute_drops_them():
 
 def test_unfused_attention_and_the_loss_cost_memory_traffic():
     """An unfused attention streams its s x s scores (UNFUSED_SCORE_TRAFFIC each, over the whole
-    square), and the eager cross-entropy LOSS_BYTES_PER_LOGIT per logit: both memory-bound, so
-    their time is bytes over the achievable bandwidth."""
+    square) and runs no fused kernel, and the eager cross-entropy moves LOSS_BYTES_PER_LOGIT per
+    logit each way: both memory-bound, so their time is bytes over the achievable bandwidth."""
     from dstrain.planner.compute import (
         LOSS_BYTES_PER_LOGIT,
         UNFUSED_SCORE_TRAFFIC,
         ComputeConstants,
         _Chip,
         _head,
-        _layer,
+        _scores,
     )
 
     args = flavor_args("deepseek-v2-lite")
@@ -135,17 +135,16 @@ def test_unfused_attention_and_the_loss_cost_memory_traffic():
     chip = _Chip(cluster, "bf16", ComputeConstants())
     flash = Layout(dp=8, seq_len=4096)
     tokens = 4096
-    fused, fused_attention = _layer(args, flash, chip, tokens, moe=False)
-    unfused, unfused_attention = _layer(
-        args, flash.with_(attention="unfused"), chip, tokens, moe=False
-    )
-    assert unfused_attention == 0.0 < fused_attention  # no fused kernel: GEMMs and a stream
+    fused = _scores(args, flash, chip, tokens)
+    unfused = _scores(args, flash.with_(attention="unfused"), chip, tokens)
     scores = tokens * args.num_heads * 4096
-    assert unfused - (fused - fused_attention) > chip.stream(UNFUSED_SCORE_TRAFFIC * scores)
-    head, _ = _head(args.model_copy(update={"num_mtp_modules": 0}), flash, chip, tokens)
+    assert unfused.forward > chip.stream(UNFUSED_SCORE_TRAFFIC * scores) > fused.forward
+    assert fused.cheap == 0.0 < unfused.cheap  # selective recompute runs an unfused core again
+    head = _head(args.model_copy(update={"num_mtp_modules": 0}), flash, chip, tokens)
     gemm = chip.gemm(tokens, args.dim, args.vocab_size, recipe=False)
     loss = chip.stream(LOSS_BYTES_PER_LOGIT * tokens * args.vocab_size)
-    assert head == pytest.approx(gemm + loss)
+    assert head.forward == pytest.approx(gemm.forward + loss)
+    assert head.backward == pytest.approx(gemm.backward + loss)
 
 
 def test_the_peak_as_each_counter_reads_it():
@@ -176,11 +175,19 @@ def test_in_flight_micro_batches_per_schedule():
 
 
 def test_small_matmuls_are_memory_bound_and_large_ones_compute_bound():
+    from dstrain.planner.kernels import GEMM_FLOOR_S, SUSTAINED_SHARE, gemm_efficiency
+
     chip = _Chip(Cluster(gpu_spec("H100"), 8), "bf16", ComputeConstants())
     big = chip.gemm(8192, 8192, 8192)
-    assert big == pytest.approx(2 * 8192**3 / (989e12 * 0.75))
+    efficiency = gemm_efficiency("hopper", "bf16", 8192, 8192, 8192) * SUSTAINED_SHARE
+    assert big.forward == pytest.approx(2 * 8192**3 / (989e12 * efficiency) + GEMM_FLOOR_S)
+    # a square GEMM's input gradient and weight gradient have its shape again
+    assert big.backward == pytest.approx(big.forward) == pytest.approx(big.weight)
     thin = chip.gemm(1, 8192, 8192)  # one token: the weights' bytes dominate
-    assert thin == pytest.approx(2 * (8192 + 8192 * 8192 + 8192) / (3.35e12 * 0.8))
+    memory = 2 * (8192 + 8192 * 8192 + 8192) / (3.35e12 * 0.8)
+    assert thin.forward == pytest.approx(memory + GEMM_FLOOR_S)
+    # its weight gradient [8192, 1] x [1, 8192] has no K to amortise: memory-bound too
+    assert thin.weight > 10 * 2 * 8192**2 / (989e12 * efficiency)
 
 
 def test_bubble_follows_the_schedule_closed_forms():
@@ -425,14 +432,14 @@ def test_the_example_v3_config_is_the_layout_checked_here():
 
 
 def test_the_descent_finds_a_minimum_inside_the_bounds():
-    target = {"gemm_efficiency": 0.3, "attention_efficiency": 2.0}  # 2.0 is out of bounds
+    target = {"gemm_scale": 0.3, "attention_scale": 5.0}  # 5.0 is out of bounds
 
     def error(c: ComputeConstants) -> float:
         return sum((getattr(c, k) / v - 1) ** 2 for k, v in target.items())
 
     found = _descend(ComputeConstants(), tuple(target), error)
-    assert found.gemm_efficiency == pytest.approx(0.3, rel=0.3)
-    assert found.attention_efficiency == BOUNDS["attention_efficiency"][1]
+    assert found.gemm_scale == pytest.approx(0.3, rel=0.3)
+    assert found.attention_scale == BOUNDS["attention_scale"][1]
 
 
 def test_bf16_adam_moments_halve_the_moments():
