@@ -267,22 +267,24 @@ def activation_bytes(
     Megatron's fused cross-entropy never hold the logits and their gradient over the whole
     micro-batch) and the schedule's fewest micro-batches in flight."""
     tokens = layout.micro_batch * layout.seq_len / layout.cp
-    dense_layer, moe_layer = (
-        _cached_layer_bytes(
+
+    def layer(moe: bool, recompute: str, scores: int, at_floor: bool) -> float:
+        return _cached_layer_bytes(
             args,
             layout.tp,
             layout.sequence_parallel,
-            layout.recompute,
+            recompute,
             moe,
             layout.routed_split,
-            floor,
-            _scores_per_token(layout),
+            at_floor,
+            scores,
             layout.ep,
             _matmuls_kept(layout),
             layout.recompute_matmuls is not None,
         )
-        for moe in (False, True)
-    )
+
+    scores = _scores_per_token(layout)
+    dense_layer, moe_layer = (layer(moe, layout.recompute, scores, floor) for moe in (False, True))
     per_microbatch = tokens * (shape.dense_layers * dense_layer + shape.moe_layers * moe_layer)
     if shape.has_embedding:
         per_microbatch += tokens * 2 * args.dim / _sp(layout)
@@ -293,10 +295,9 @@ def activation_bytes(
     loss = tokens * _head_bytes_per_token(args, layout) if shape.has_head and not floor else 0.0
     recomputed = 0.0
     if layout.recompute != "none":  # at the floor with today's kernels: FlashAttention
-        full = layout.with_(recompute="none", **({"attention": "flash"} if floor else {}))
-        recomputed = tokens * max(
-            layer_bytes_per_token(args, full, moe=m) for m in (False, shape.moe_layers > 0)
-        )
+        whole = 0 if floor else scores
+        moes = (False, shape.moe_layers > 0)
+        recomputed = tokens * max(layer(m, "none", whole, False) for m in moes)
     return resident + max(loss, recomputed)
 
 
