@@ -224,9 +224,12 @@ def _print_estimate(e: Estimate, out: Console) -> None:
         f"{m.activations / GiB:.1f}, overhead {m.overhead / GiB:.1f}",
         markup=False,
     )
+    bubble = f"bubble {100 * e.bubble_fraction:.1f}%"
+    if e.layout.pp > 1:
+        bubble += f" (busiest rank {100 * e.busiest_bubble:.1f}%)"
     out.print(
-        f"step: {e.step_time_s:.2f} s ({e.compute_s:.2f} s compute, bubble "
-        f"{100 * e.bubble_fraction:.1f}%, exposed comm {100 * e.comm_exposed_fraction:.1f}%)",
+        f"step: {e.step_time_s:.2f} s ({e.compute_s:.2f} s compute, {bubble}, exposed comm "
+        f"{100 * e.comm_exposed_fraction:.1f}%)",
         markup=False,
     )
     out.print(
@@ -243,7 +246,7 @@ def _print_estimate(e: Estimate, out: Console) -> None:
         )
     if e.comm is not None:
         parts = [
-            f"{axis} {c.exposed_seconds:.2f}/{c.seconds:.2f} s ({c.link})"
+            f"{axis} {c.exposed_seconds:.2f}/{c.seconds:.2f} s ({c.link}, {c.algorithm})"
             for axis, c in zip(AXES, e.comm.axes(), strict=True)
             if c.seconds
         ]

@@ -24,7 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import FSDPModule
 
 from dstrain.config.schema import DstrainConfig
 from dstrain.model.init import BLOCK_ELEMENTS
@@ -209,8 +211,7 @@ def _tokens(config: DstrainConfig, runtime: Runtime) -> torch.Tensor:
 def _whole_model_step(
     config: DstrainConfig, runtime: Runtime, fake: FakeTensorMode
 ) -> tuple[float, str]:
-    tracker = MemTracker()
-    tracker.track_external(runtime.model, runtime.optimizer)
+    tracker = _tracker(runtime.model, runtime.optimizer)
     with fake:
         with tracker:
             tokens = _tokens(config, runtime)
@@ -232,6 +233,18 @@ def _loss(outputs: object, tokens: torch.Tensor, runtime: Runtime) -> torch.Tens
     counts = TokenCounts(tuple(tokens.numel() for _ in range(depths)))
     total, _ = loss_terms(outputs, tokens, counts, runtime.model_args.mtp_loss_weight)
     return total
+
+
+def _tracker(module: torch.nn.Module, optimizer: object = None) -> MemTracker:
+    """A memory tracker that tells activations from parameters. Under FSDP2 (ZeRO-1/2/3) the
+    forward all-gathers the parameters into new storage, which a plain tracker would count as
+    activations (and a pipeline stage's, once per micro-batch in flight); FSDP's own tracker
+    files it under its unsharded parameters."""
+    if isinstance(module, FSDPModule):
+        return FSDPMemTracker(module, optimizer)
+    tracker = MemTracker()
+    tracker.track_external(*(x for x in (module, optimizer) if x is not None))
+    return tracker
 
 
 def _activations(snapshot: dict) -> float:
@@ -278,8 +291,7 @@ def _stage_step(
 ) -> tuple[float, float]:
     """(bytes saved for backward after forward, peak extra while running it) of one stage."""
     chunk = _chunk(module)
-    tracker = MemTracker()
-    tracker.track_external(module)
+    tracker = _tracker(module)
     with fake, tracker:
         tokens = _tokens(config, runtime)
         if chunk.embed is not None:
