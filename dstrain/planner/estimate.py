@@ -147,7 +147,7 @@ class Estimate:
 
 def estimate_memory(args: ModelArgs, layout: Layout, cluster: Cluster) -> Estimate:
     """The cheap half: memory only (the search drops what cannot fit before timing it)."""
-    return Estimate(layout, memory_per_gpu(args, layout), cluster.gpu.hbm_gb * 1e9)
+    return Estimate(layout, memory_per_gpu(args, layout, cluster), cluster.gpu.hbm_gb * 1e9)
 
 
 def estimate(

@@ -56,20 +56,29 @@ module, where this gives 18 and 26). For the main head and each MTP module, over
 vocabulary (dstrain's trainer all-gathers the logits over tp), or over this rank's shard under
 `Layout.loss_parallel` (Megatron-LM's vocab-parallel cross-entropy), with the MTP blocks.
 
-Overhead: CUDA context, NCCL buffers and cuBLAS workspaces (a fixed 3 GiB, outside PyTorch's
-allocator), plus allocator fragmentation (10% of activations, reserved by the caching allocator
-but not allocated); ZeRO-3 also holds the largest layer gathered twice (the current one and the
-prefetched one). `Memory.counted` gives what each way of reading the peak sees: the device
-(nvidia-smi: everything), `torch.cuda.max_memory_reserved` (no context) or
-`max_memory_allocated` (no context, no fragmentation).
+Overhead (`overhead.py`, each term from what it measurably is): the CUDA context and NCCL's
+buffers for the communicators the layout opens (outside PyTorch's allocator), cuBLAS's
+workspaces, and the allocator's fragmentation (9 % of activations, reserved by the caching
+allocator but not allocated); ZeRO-3 also holds the largest layer gathered twice (the current
+one and the prefetched one). At the floor only the CUDA context. `Memory.counted` gives what
+each way of reading the peak sees: the device (nvidia-smi: everything),
+`torch.cuda.max_memory_reserved` (no context, no NCCL) or `max_memory_allocated` (no
+fragmentation either).
 """
 
 from dataclasses import asdict, dataclass
 
 from dstrain.config.model_args import ModelArgs
+from dstrain.hardware import gpu_spec
 from dstrain.model.flops import score_head_dims
 from dstrain.planner.layout import Cluster, Layout
 from dstrain.planner.memo import per_model
+from dstrain.planner.overhead import (
+    CONTEXT_BYTES,
+    FRAGMENTATION,
+    outside_allocator,
+    workspace_bytes,
+)
 from dstrain.planner.shape import RankShape, rank_shapes
 
 GiB = 2**30
@@ -77,9 +86,6 @@ MASTER_BYTES = 4  # fp32 weights: DDP's parameters, FSDP2's shards
 GRAD_BYTES = 4  # fp32 gradients (FSDP2's reduce dtype; DDP's fp32 parameters)
 PAPER_BYTES = (2, 2, 12)  # the ZeRO paper's weights, gradients and optimizer states
 ROUTING_HEADROOM = 1.25
-FIXED_OVERHEAD_BYTES = 3 * GiB
-FLOOR_OVERHEAD_BYTES = 1 * GiB  # the CUDA context and NCCL's buffers, with nothing cached
-FRAGMENTATION = 0.10
 MEMORY_COUNTS = ("device", "reserved", "allocated")  # how a measured peak was read
 SAVED_BYTES_PER_SCORE = 5  # per attention score: softmax output 2, dropout mask 1, its output 2
 LOG_SOFTMAX_BYTES = 4  # the fp32 output each head's cross-entropy keeps for backward
@@ -176,9 +182,17 @@ def paper_model_states(params: float, zero: int, shard: int) -> tuple[float, flo
 
 
 def memory_per_gpu(args: ModelArgs, layout: Layout, cluster: Cluster | None = None) -> Memory:
-    """The busiest pipeline rank's memory (the first, last and second ranks are compared)."""
+    """The busiest pipeline rank's memory (the first, last and second ranks are compared) on
+    `cluster`'s GPUs (whose CUDA context, NCCL and cuBLAS overheads count; an H100 cluster of
+    the layout's size when None)."""
+    cluster = cluster or Cluster(gpu_spec("H100"), layout.world)
+    outside = outside_allocator(layout, cluster)
+    workspace = workspace_bytes(cluster)
     return max(
-        (_rank_memory(args, layout, shape) for shape in rank_shapes(args, layout)),
+        (
+            _rank_memory(args, layout, shape, outside, workspace)
+            for shape in rank_shapes(args, layout)
+        ),
         key=lambda m: m.peak,
     )
 
@@ -208,7 +222,15 @@ def _parts(shape: RankShape, layout: Layout) -> list[tuple[float, int, int]]:
     ]
 
 
-def _rank_memory(args: ModelArgs, layout: Layout, shape: RankShape) -> Memory:
+def _rank_memory(
+    args: ModelArgs,
+    layout: Layout,
+    shape: RankShape,
+    outside: float = CONTEXT_BYTES,
+    workspace: float = 0.0,
+) -> Memory:
+    """`outside`: the CUDA context's and NCCL's bytes; `workspace`: cuBLAS's (`overhead.py`)."""
+
     def states(pp: int) -> list[tuple[float, float, float]]:
         return [
             model_state_bytes(
@@ -227,7 +249,7 @@ def _rank_memory(args: ModelArgs, layout: Layout, shape: RankShape) -> Memory:
     weights, grads, optimizer = (sum(part[i] for part in parts) for i in range(3))
     activations = activation_bytes(args, layout, shape)
     fragmentation = FRAGMENTATION * activations
-    overhead = FIXED_OVERHEAD_BYTES + fragmentation
+    overhead = outside + workspace + fragmentation
     gathered = 0.0
     if layout.zero >= 3 and layout.pp == 1:
         gathered = 2 * gathered_bytes(layout.precision) * _largest_layer_params(shape)
@@ -243,7 +265,7 @@ def _rank_memory(args: ModelArgs, layout: Layout, shape: RankShape) -> Memory:
         + floor_grads
         + optimizer
         + activation_bytes(args, layout, shape, floor=True)
-        + FLOOR_OVERHEAD_BYTES
+        + CONTEXT_BYTES
         + gathered / 2
     )
     return Memory(
@@ -254,7 +276,7 @@ def _rank_memory(args: ModelArgs, layout: Layout, shape: RankShape) -> Memory:
         overhead + gathered,
         shape.rank,
         floor,
-        FIXED_OVERHEAD_BYTES,
+        outside,
         fragmentation,
     )
 
@@ -265,7 +287,37 @@ def activation_bytes(
     """What the rank saves for backward at its peak. `floor`: the least of it that today's
     kernels need (`_cached_layer_bytes`), with the loss fused with the head (Liger's and
     Megatron's fused cross-entropy never hold the logits and their gradient over the whole
-    micro-batch) and the schedule's fewest micro-batches in flight."""
+    micro-batch) and the schedule's fewest micro-batches in flight. Cached on what it depends
+    on (not ZeRO, dp or the offload: the search varies those)."""
+    key = (
+        shape,
+        floor,
+        in_flight(layout, floor=floor),
+        layout.micro_batch,
+        layout.seq_len,
+        layout.cp,
+        layout.tp,
+        layout.ep,
+        layout.sequence_parallel,
+        layout.recompute,
+        layout.moe_tp,
+        layout.attention,
+        layout.precision,
+        layout.recompute_matmuls,
+        layout.loss_parallel,
+    )
+    cache_key = (id(args), key)
+    if cache_key not in _ACTIVATIONS:
+        _MODELS[id(args)] = args  # kept alive: an id is never reused while cached
+        _ACTIVATIONS[cache_key] = _activation_bytes(args, layout, shape, floor)
+    return _ACTIVATIONS[cache_key]
+
+
+_ACTIVATIONS: dict[tuple, float] = {}
+_MODELS: dict[int, ModelArgs] = {}
+
+
+def _activation_bytes(args: ModelArgs, layout: Layout, shape: RankShape, floor: bool) -> float:
     tokens = layout.micro_batch * layout.seq_len / layout.cp
 
     def layer(moe: bool, recompute: str, scores: int, at_floor: bool) -> float:

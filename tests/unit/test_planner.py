@@ -17,8 +17,6 @@ from dstrain.planner.estimate import estimate
 from dstrain.planner.layout import Cluster, Layout
 from dstrain.planner.legal import trainer_errors
 from dstrain.planner.memory import (
-    FIXED_OVERHEAD_BYTES,
-    FRAGMENTATION,
     in_flight,
     layer_bytes_per_token,
     memory_per_gpu,
@@ -150,12 +148,35 @@ def test_unfused_attention_and_the_loss_cost_memory_traffic():
 def test_the_peak_as_each_counter_reads_it():
     """nvidia-smi sees everything; torch's max_memory_reserved not the CUDA context and NCCL;
     max_memory_allocated not the allocator's fragmentation either."""
-    m = memory_per_gpu(flavor_args("deepseek-v2-lite"), Layout(dp=8, seq_len=2048))
+    from dstrain.planner.overhead import FRAGMENTATION, outside_allocator, workspace_bytes
+
+    layout, cluster = Layout(dp=8, seq_len=2048), Cluster(gpu_spec("H100"), 8)
+    m = memory_per_gpu(flavor_args("deepseek-v2-lite"), layout, cluster)
+    outside = outside_allocator(layout, cluster)
     assert m.counted("device") == m.peak
-    assert m.counted("reserved") == pytest.approx(m.peak - FIXED_OVERHEAD_BYTES)
-    allocated = m.peak - FIXED_OVERHEAD_BYTES - FRAGMENTATION * m.activations
+    assert m.counted("reserved") == pytest.approx(m.peak - outside)
+    allocated = m.peak - outside - FRAGMENTATION * m.activations
     assert m.counted("allocated") == pytest.approx(allocated)
-    assert m.counted("allocated") == pytest.approx(m.model_states + m.activations)
+    workspace = workspace_bytes(cluster)
+    assert m.counted("allocated") == pytest.approx(m.model_states + m.activations + workspace)
+
+
+def test_nccl_buffers_grow_with_the_communicators_and_peers_a_layout_opens():
+    """NVIDIA/nccl#964 measured 544 MB for a 2-rank and 688 MB for a larger group on 4 x A100
+    (24 channels of 10 MiB connections: 480 and 720 MiB here); an all-to-all over 8 H100s took
+    3.28 GB (NVIDIA/nccl#1685)."""
+    from dstrain.planner.overhead import nccl_bytes
+
+    a100 = Cluster(gpu_spec("A100-80GB"), 4, gpus_per_node=4)
+    pair, four = nccl_bytes(Layout(dp=2, tp=2), a100), nccl_bytes(Layout(dp=4), a100)
+    assert four == pytest.approx(2 * 720 * 2**20)  # the world's and dp's: the same 4 ranks
+    assert pair == pytest.approx(720 * 2**20 + 2 * 480 * 2**20)  # the world, dp 2, tp 2
+    h100 = Cluster(gpu_spec("H100"), 8)
+    dense, experts = Layout(dp=8), Layout(dp=8, ep=8)
+    assert nccl_bytes(experts, h100) - nccl_bytes(dense, h100) > 3e9  # 7 peers + edp's ring
+    wide = Cluster(gpu_spec("H100"), 64)
+    across = nccl_bytes(Layout(dp=64, ep=64), wide) - nccl_bytes(Layout(dp=64), wide)
+    assert 3e9 < across < 7e9  # 7 peers in the node, 56 over the network at 2 channels
 
 
 def test_in_flight_micro_batches_per_schedule():
