@@ -117,6 +117,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     layout.add_argument("--sequence-parallel", action="store_true", default=None)
     layout.add_argument("--offload", action="store_true", help="optimizer states on the host")
     layout.add_argument(
+        "--engine",
+        choices=("dstrain", "megatron", "torchtitan", "composer"),
+        default="dstrain",
+        help="predict the layout as this engine runs it (its loss, selective recompute and FP8 "
+        "memory: docs/planner.md); default: dstrain's own trainer",
+    )
+    layout.add_argument(
         "--adam-moments",
         choices=("fp32", "bf16"),
         default=None,
@@ -222,6 +229,7 @@ def _layout(args: argparse.Namespace, num_gpus: int):
         sequence_parallel=given.get("sequence_parallel", degrees["tp"] > 1),
         offload=args.offload,
         adam_moments=args.adam_moments or ("bf16" if args.precision == "fp8" else "fp32"),
+        engine=args.engine,
     )
     fixed = set(given) | ({"cp"} if args.cp else set())
     return base, fixed | {"cp", "offload", "precision"}

@@ -424,7 +424,7 @@ def _tensor_parallel(ctx: _Ctx, args: ModelArgs, layers: int, holds_head: bool) 
         out.bytes *= 2
     else:
         out = ctx.axis("tp", "all_reduce", calls * size, calls)
-    if holds_head and not ctx.layout.loss_parallel:
+    if holds_head and not ctx.layout.traits.loss_parallel:
         gathers = ctx.microbatches * (1 + args.num_mtp_modules)
         logits = gathers * ctx.tokens * args.vocab_size * ACTIVATION_BYTES
         out.seconds += ctx.time("tp", "all_gather", logits, gathers)
@@ -458,7 +458,7 @@ def _expert_parallel(
     size *= ACTIVATION_BYTES
     # dstrain's selective recompute runs its routed experts again whole, all-to-alls included
     again = ctx.recompute_full or (
-        ctx.layout.recompute == "selective" and ctx.layout.recompute_matmuls is None
+        ctx.layout.recompute == "selective" and ctx.layout.traits.selective_matmuls is None
     )
     calls = (6 if again else 4) * moe_layers * ctx.microbatches
     out = ctx.axis("ep", "all_to_all", calls * size, calls)

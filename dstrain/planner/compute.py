@@ -33,8 +33,8 @@ per-op policy saves every matmul's and the attention kernel's output (`parallel/
 activation_checkpoint.py`), and an unfused attention's core, whose scores it drops (Korthikanti
 et al. 2022, sec. 5: Megatron-LM's selective recompute); plus what the trainer's policy runs
 again whole (its routed experts, up-projections and FP8 GEMMs), or, for another engine,
-`Layout.recompute_matmuls` of all the matmuls (torchtitan's per-op policy runs every other one
-again).
+its `selective_matmuls` of all the matmuls (`engines.py`: torchtitan's per-op policy runs every
+other one again).
 """
 
 from dataclasses import dataclass, replace
@@ -146,8 +146,7 @@ def stage_times(
         layout.sequence_parallel,
         layout.moe_tp,
         layout.attention,
-        layout.loss_parallel,
-        layout.recompute_matmuls,
+        layout.engine,
     )
     return _stage_times(args, key, cluster, shape, consts or ComputeConstants())
 
@@ -156,7 +155,7 @@ def stage_times(
 def _stage_times(
     args: ModelArgs, key: tuple, cluster: Cluster, shape: RankShape, consts: ComputeConstants
 ) -> StageTimes:
-    tp, ep, cp, mb, seq, recompute, precision, sp, moe_tp, attention, loss_parallel, matmuls = key
+    tp, ep, cp, mb, seq, recompute, precision, sp, moe_tp, attention, engine = key
     layout = Layout(
         dp=1,
         tp=tp,
@@ -169,8 +168,7 @@ def _stage_times(
         sequence_parallel=sp,
         moe_tp=moe_tp,
         attention=attention,
-        loss_parallel=loss_parallel,
-        recompute_matmuls=matmuls,
+        engine=engine,
     )
     chip = _Chip(cluster, layout.precision, consts)
     tokens = layout.micro_batch * layout.seq_len / layout.cp
@@ -183,7 +181,7 @@ def _stage_times(
         total += _head(args, layout, chip, tokens)
     width = args.num_shared_experts * args.moe_inter_dim
     shared = shape.moe_layers * _swiglu(args, chip, tokens, width, layout.tp) if width else _Pass()
-    share = layout.recompute_matmuls
+    share = layout.traits.selective_matmuls
     selective = total.cheap + (total.heavy if share is None else share * total.matmul)
     recomputed = {"none": 0.0, "selective": selective, "full": total.forward}
     backward = total.backward + recomputed[layout.recompute]

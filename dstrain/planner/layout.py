@@ -11,6 +11,7 @@ from typing import Any
 from dstrain.config.batch import run_batch
 from dstrain.errors import UserError
 from dstrain.hardware import GPUSpec
+from dstrain.planner.engines import ENGINES, Engine
 
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
@@ -43,20 +44,18 @@ class Layout:
     ep_overlap: bool = True  # shared experts run while the dispatch is in flight (parallel.*)
     pp_overlap: bool | None = None  # DualPipeV's OVERLAP_F_B pairs overlapped (None: auto, on GPUs)
     attention: str = "flash"  # one of ATTENTION_KERNELS: "flash" is what dstrain runs
-    # The loss over each tp rank's vocabulary shard (Megatron-LM's vocab-parallel cross-entropy,
-    # torch's `loss_parallel`); False: the logits are all-gathered over tp first, as dstrain's
-    # trainer does
-    loss_parallel: bool = False
-    # The share of the matmuls' outputs a selective recompute drops and runs again. None: as
-    # dstrain's trainer does, none but its FP8 GEMMs (quantisation and chunk products, not one
-    # op its per-op policy can keep); 0: Megatron-LM's selective recompute; 0.5: torchtitan's
-    # per-op policy, which keeps every other matmul's output
-    recompute_matmuls: float | None = None
+    # the engine that runs it (`planner/engines.py`): dstrain's trainer, or the engine a
+    # published run was made with
+    engine: str = "dstrain"
+
+    @property
+    def traits(self) -> Engine:
+        return ENGINES[self.engine]
 
     @property
     def loss_vocab_split(self) -> int:
-        """Ranks the loss's logits are split over: tp under loss parallelism, else 1."""
-        return self.tp if self.loss_parallel else 1
+        """Ranks the loss's logits are split over: tp under the engine's loss parallelism."""
+        return self.tp if self.traits.loss_parallel else 1
 
     @property
     def world(self) -> int:

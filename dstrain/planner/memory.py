@@ -54,7 +54,7 @@ while one head's loss runs backward, the incoming gradient and the log-softmax's
 own step (`tests/unit/test_dry_run.py`: 16.8 bytes per logit with one head, 24.8 with an MTP
 module, where this gives 18 and 26). For the main head and each MTP module, over the whole
 vocabulary (dstrain's trainer all-gathers the logits over tp), or over this rank's shard under
-`Layout.loss_parallel` (Megatron-LM's vocab-parallel cross-entropy), with the MTP blocks.
+an engine's loss parallelism (Megatron-LM's vocab-parallel cross-entropy), with the MTP blocks.
 
 Overhead (`overhead.py`, each term from what it measurably is): the CUDA context and NCCL's
 buffers for the communicators the layout opens (outside PyTorch's allocator), cuBLAS's
@@ -247,6 +247,9 @@ def _rank_memory(
 
     parts = states(layout.pp)
     weights, grads, optimizer = (sum(part[i] for part in parts) for i in range(3))
+    copies = 0.0  # the engine's FP8 weight copies, kept across micro-batches (not at the floor)
+    if layout.precision == "fp8":
+        copies = layout.traits.fp8_weight_bytes * _recipe_params(args, layout, shape)
     activations = activation_bytes(args, layout, shape)
     fragmentation = FRAGMENTATION * activations
     overhead = outside + workspace + fragmentation
@@ -269,7 +272,7 @@ def _rank_memory(
         + gathered / 2
     )
     return Memory(
-        weights,
+        weights + copies,
         grads,
         optimizer,
         activations,
@@ -279,6 +282,13 @@ def _rank_memory(
         outside,
         fragmentation,
     )
+
+
+def _recipe_params(args: ModelArgs, layout: Layout, shape: RankShape) -> float:
+    """The rank's parameters the FP8 recipe covers: all but the embedding and the head (and the
+    last stage's MTP copy of the embedding), whose vocabulary-wide tables stay 16-bit."""
+    tables = (shape.has_embedding + 2 * shape.has_head) * args.vocab_size * args.dim / layout.tp
+    return max(0.0, shape.dense_params + shape.expert_params - tables)
 
 
 def activation_bytes(
@@ -303,8 +313,7 @@ def activation_bytes(
         layout.moe_tp,
         layout.attention,
         layout.precision,
-        layout.recompute_matmuls,
-        layout.loss_parallel,
+        layout.engine,
     )
     cache_key = (id(args), key)
     if cache_key not in _ACTIVATIONS:
@@ -332,7 +341,8 @@ def _activation_bytes(args: ModelArgs, layout: Layout, shape: RankShape, floor: 
             scores,
             layout.ep,
             _matmuls_kept(layout),
-            layout.recompute_matmuls is not None,
+            layout.traits.selective_matmuls is not None,
+            _gemm_input_bytes(layout, at_floor),
         )
 
     scores = _scores_per_token(layout)
@@ -385,15 +395,25 @@ def _layer_bytes(args: ModelArgs, layout: Layout, recompute: str, moe: bool) -> 
         _scores_per_token(layout),
         layout.ep,
         _matmuls_kept(layout),
-        layout.recompute_matmuls is not None,
+        layout.traits.selective_matmuls is not None,
+        _gemm_input_bytes(layout, False),
     )
+
+
+def _gemm_input_bytes(layout: Layout, floor: bool) -> float:
+    """Bytes per element of a saved GEMM input: 1 under FP8 where the engine keeps the FP8 cast
+    (and at the floor, as DeepSeek-V3 caches its FP8 activations), else 2."""
+    if layout.precision != "fp8":
+        return 2.0
+    return 1.0 if floor else layout.traits.fp8_input_bytes
 
 
 def _matmuls_kept(layout: Layout) -> float:
     """The share of the matmuls' outputs a selective recompute keeps: all but those
-    `Layout.recompute_matmuls` drops; by default (dstrain's trainer) all but the FP8 GEMMs'."""
-    if layout.recompute_matmuls is not None:
-        return 1.0 - layout.recompute_matmuls
+    the engine's `selective_matmuls` drops; under dstrain's trainer all but the FP8 GEMMs'."""
+    share = layout.traits.selective_matmuls
+    if share is not None:
+        return 1.0 - share
     return 0.0 if layout.precision == "fp8" else 1.0
 
 
@@ -416,11 +436,14 @@ def _cached_layer_bytes(
     ep: int = 1,
     kept: float = 1.0,
     other_engine: bool = False,
+    gemm_input: float = 2.0,
 ) -> float:
     """`floor`: with a fused SwiGLU (Megatron's `bias_swiglu`, Liger's: it keeps its input and
     recomputes the activation in backward), FlashAttention and routing in perfect balance; else
     as dstrain's eager modules save them, with `scores` per token and head saved by an unfused
-    attention."""
+    attention. `gemm_input`: bytes per element of the saved inputs of GEMMs (the norms'
+    outputs, the attention output the output projection saves, the FFN product w2 saves): 1
+    where FP8 GEMMs keep their FP8 cast (Transformer Engine; DeepSeek-V3 sec. 3.3.2)."""
     hidden = 2 * args.dim / (tp if sp else 1)  # one hidden-size tensor
     if recompute == "full":
         return hidden
@@ -430,15 +453,18 @@ def _cached_layer_bytes(
         if floor:
             return hidden
         return _selective_bytes(args, tp, hidden, moe, routed_split, floor, ep, kept, other_engine)
+    narrow = (2 - gemm_input) / 2  # the share of a 16-bit GEMM input an FP8 cast saves
     attention = _attention_bytes(args, tp, floor)
+    attention -= narrow * 2 * args.num_heads / tp * score_head_dims(args)[1]  # wo's input
     if not floor:
         attention += SAVED_BYTES_PER_SCORE * scores * args.num_heads / tp
     ffn = (
-        _moe_bytes(args, tp, routed_split, floor)
+        _moe_bytes(args, tp, routed_split, floor, narrow)
         if moe
-        else _dense_ffn_bytes(args, args.inter_dim, tp, floor)
+        else _dense_ffn_bytes(args, args.inter_dim, tp, floor, narrow)
     )
-    return 4 * hidden + attention + ffn  # the block input, norm inputs and outputs
+    # the block input, the norms' inputs and their outputs (GEMM inputs)
+    return (4 - 2 * narrow) * hidden + attention + ffn
 
 
 def _selective_bytes(
@@ -456,9 +482,9 @@ def _selective_bytes(
     (`parallel/activation_checkpoint.py`): the block's input, and the output of every matmul,
     of the attention kernel and of the reduce-scatters, all-reduces and all-to-alls; not the
     norms', RoPE's, the activations' or any elementwise op's, nor the routed experts' (it runs
-    them again whole) nor the up-projections' (MLA's, `UP_PROJECTION`). `kept`: the share of the
-    matmuls' outputs kept (`Layout.recompute_matmuls`); `other_engine`: another engine's policy,
-    which keeps the routed copies' and the up-projections' outputs too.
+    them again whole) nor the up-projections' (MLA's, `UP_PROJECTION`). `kept`: the share of
+    the matmuls' outputs kept (the engine's `selective_matmuls`); `other_engine`: another
+    engine's policy, which keeps the routed copies' and the up-projections' outputs too.
 
     The attention and FFN output projections' products are [tokens, dim] on every tp rank
     (partial sums before their reduction), and their reduced copies are kept beside them."""
@@ -535,33 +561,44 @@ def _attention_bytes(args: ModelArgs, tp: int, floor: bool = False) -> float:
     return 2 * (latents + heads * per_head) + 4 * heads  # + fp32 log-sum-exp per head
 
 
-def _dense_ffn_bytes(args: ModelArgs, width: float, tp: int, fused: bool = False) -> float:
+def _dense_ffn_bytes(
+    args: ModelArgs, width: float, tp: int, fused: bool = False, narrow: float = 0.0
+) -> float:
     """SwiGLU: w1 and w3 outputs, the activation and the product (w2's input), the activation
-    not kept when `fused`; GELU: the up projection's output and the activation."""
+    not kept when `fused`; GELU: the up projection's output and the activation (w2's input).
+    `narrow`: the share of w2's 16-bit input an FP8 cast saves."""
     tensors = (3 if fused else 4) if args.mlp == "swiglu" else 2
-    return 2 * tensors * width / tp
+    return 2 * (tensors - narrow) * width / tp
 
 
-def _moe_bytes(args: ModelArgs, tp: int, routed_split: int, floor: bool) -> float:
-    """Router scores (fp32, gathered over tp for the balance loss), each routed copy's input,
-    expert intermediates and output, times the routing headroom, for this rank's share of the
-    tokens (1 / routed_split); the shared experts like a dense FFN split over tp."""
+def _moe_bytes(
+    args: ModelArgs, tp: int, routed_split: int, floor: bool, narrow: float = 0.0
+) -> float:
+    """Router scores (fp32, gathered over tp for the balance loss), each routed copy's input
+    (a GEMM input, `narrow` as in `_cached_layer_bytes`), expert intermediates and output, times
+    the routing headroom, for this rank's share of the tokens (1 / routed_split); the shared
+    experts like a dense FFN split over tp."""
     k, headroom = args.num_activated_experts, 1.0 if floor else ROUTING_HEADROOM
-    expert = _dense_ffn_bytes(args, args.moe_inter_dim, 1, floor)
-    routed = k * headroom * (2 * 2 * args.dim + expert) / routed_split
-    shared = _dense_ffn_bytes(args, args.num_shared_experts * args.moe_inter_dim, tp, floor)
+    expert = _dense_ffn_bytes(args, args.moe_inter_dim, 1, floor, narrow)
+    routed = k * headroom * ((2 - narrow) * 2 * args.dim + expert) / routed_split
+    width = args.num_shared_experts * args.moe_inter_dim
+    shared = _dense_ffn_bytes(args, width, tp, floor, narrow)
     return 4 * args.num_routed_experts + routed + shared
 
 
 def _head_bytes_per_token(args: ModelArgs, layout: Layout) -> float:
     """The eager cross-entropy's peak over the vocabulary it sees (the whole of it, gathered over
-    tp, unless `Layout.loss_parallel`; module docstring): each
+    tp, unless the engine splits it; module docstring): each
     head's logits and its log-softmax output, and one backward's two fp32 gradients; plus each
     MTP module's block."""
     heads = 1 + args.num_mtp_modules
-    narrow = 0 if layout.precision == "fp32" else 2  # the 16-bit copy, and the cast-back gradient
-    logit = 4 if layout.precision == "fp32" else 2
-    per_logit = heads * (logit + LOG_SOFTMAX_BYTES + narrow) + LOSS_BACKWARD_BYTES + narrow
+    traits = layout.traits
+    if traits.loss_held is not None and traits.loss_transient is not None:
+        per_logit = heads * traits.loss_held + traits.loss_transient
+    else:
+        narrow = 0 if layout.precision == "fp32" else 2  # the 16-bit copy, the cast-back gradient
+        logit = 4 if layout.precision == "fp32" else 2
+        per_logit = heads * (logit + LOG_SOFTMAX_BYTES + narrow) + LOSS_BACKWARD_BYTES + narrow
     logits = per_logit * args.vocab_size / layout.loss_vocab_split
     mtp_blocks = args.num_mtp_modules * layer_bytes_per_token(args, layout, moe=True)
     return logits + mtp_blocks

@@ -23,6 +23,7 @@ from dstrain.config.model_args import ModelArgs
 from dstrain.errors import UserError
 from dstrain.hardware import gpu_spec
 from dstrain.model.flops import training_flops_per_token
+from dstrain.planner.engines import ENGINES
 from dstrain.planner.estimate import Constants, Estimate, estimate
 from dstrain.planner.layout import ATTENTION_KERNELS, Cluster, Layout
 from dstrain.planner.legal import trainer_errors
@@ -163,13 +164,8 @@ def _run(entry: dict[str, Any], origin: str) -> PublishedRun:
     lay = dict(entry["layout"])
     lay.pop("assumed", None)
     schedule = lay.pop("schedule", None) or "1f1b"
-    # Every engine of the table splits the loss over the vocabulary under TP (Megatron-LM's
-    # vocab-parallel cross-entropy, and its forks; torchtitan's loss_parallel): an entry says
-    # otherwise.
-    lay.setdefault("loss_parallel", True)
-    # Their selective recompute keeps every matmul's output (Megatron-LM and its forks, whose
-    # FP8 GEMMs are single Transformer Engine ops): an entry says otherwise (torchtitan's 0.5).
-    lay.setdefault("recompute_matmuls", 0.0)
+    # Most of the table ran on Megatron-LM or a fork of it: an entry names another engine.
+    lay.setdefault("engine", "megatron")
     layout = Layout(**{k: v for k, v in lay.items() if v is not None}, schedule=schedule)
     cluster = Cluster(
         gpu_spec(entry["gpu"]),
@@ -188,6 +184,7 @@ def _run(entry: dict[str, Any], origin: str) -> PublishedRun:
         (layout.attention, ATTENTION_KERNELS, "layout.attention"),
         (memory_counts, MEMORY_COUNTS, "memory_counts"),
         (bubble_counts, BUBBLE_COUNTS, "bubble_counts"),
+        (layout.engine, tuple(ENGINES), "layout.engine"),
     ):
         if value not in allowed:
             raise UserError(f"{origin}: {key} {value!r}", f"use one of {', '.join(allowed)}")

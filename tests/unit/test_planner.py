@@ -10,9 +10,11 @@ import tomllib
 import pytest
 
 from dstrain.config.flavors import flavor_args
+from dstrain.errors import UserError
 from dstrain.hardware import gpu_spec
 from dstrain.planner.calibrate import BOUNDS, _descend
 from dstrain.planner.compute import ComputeConstants, _Chip
+from dstrain.planner.engines import engine
 from dstrain.planner.estimate import estimate
 from dstrain.planner.layout import Cluster, Layout
 from dstrain.planner.legal import trainer_errors
@@ -177,6 +179,39 @@ def test_nccl_buffers_grow_with_the_communicators_and_peers_a_layout_opens():
     wide = Cluster(gpu_spec("H100"), 64)
     across = nccl_bytes(Layout(dp=64, ep=64), wide) - nccl_bytes(Layout(dp=64), wide)
     assert 3e9 < across < 7e9  # 7 peers in the node, 56 over the network at 2 channels
+
+
+def test_engines_hold_and_recompute_what_their_sources_say():
+    """Megatron-LM's vocab-parallel loss keeps a 4-byte softmax per logit where dstrain's eager
+    one keeps 8; Transformer Engine keeps FP8 GEMM inputs in 1 byte and FP8 weight copies (2
+    bytes per parameter); torchtitan's selective recompute runs half the matmuls again."""
+    from dstrain.planner.compute import stage_times
+    from dstrain.planner.memory import _head_bytes_per_token, _recipe_params
+    from dstrain.planner.shape import rank_shapes
+
+    args = flavor_args("deepseek-llm-7b")  # no MTP: one head
+    base = Layout(dp=8, seq_len=4096, precision="fp8")
+    ours, megatron = base, base.with_(engine="megatron")
+    assert _head_bytes_per_token(args, ours) == pytest.approx(18 * args.vocab_size)
+    assert _head_bytes_per_token(args, megatron) == pytest.approx(6 * args.vocab_size)
+    shape = rank_shapes(args, base)[0]
+    assert layer_bytes_per_token(args, megatron, moe=False) < layer_bytes_per_token(
+        args, ours, moe=False
+    )
+    copies = 2 * _recipe_params(args, megatron, shape)
+    assert memory_per_gpu(args, megatron).weights == pytest.approx(
+        memory_per_gpu(args, ours).weights + copies
+    )
+    assert memory_per_gpu(args, megatron).floor <= memory_per_gpu(args, ours).floor
+    cluster = Cluster(gpu_spec("H100"), 8)
+    selective = base.with_(precision="bf16", recompute="selective")
+    cost = {
+        name: stage_times(args, selective.with_(engine=name), cluster, shape).backward
+        for name in ("megatron", "torchtitan")
+    }
+    assert cost["torchtitan"] > cost["megatron"]
+    with pytest.raises(UserError, match="unknown engine"):
+        engine("deepspeed-zero4")
 
 
 def test_in_flight_micro_batches_per_schedule():

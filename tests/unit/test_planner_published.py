@@ -179,7 +179,9 @@ def test_a_layout_only_dstrain_refuses_is_still_estimated():
 
 
 @pytest.mark.parametrize(
-    ("key", "value"), [("memory_counts", "peak"), ("attention", "flash9")], ids=["counts", "kernel"]
+    ("key", "value"),
+    [("memory_counts", "peak"), ("attention", "flash9"), ("engine", "deepspeed-zero4")],
+    ids=["counts", "kernel", "engine"],
 )
 def test_an_entry_with_an_unknown_memory_convention_is_refused(tmp_path, key, value):
     import yaml
@@ -188,7 +190,7 @@ def test_an_entry_with_an_unknown_memory_convention_is_refused(tmp_path, key, va
 
     entries = yaml.safe_load((published.PUBLISHED / "reports.yaml").read_text(encoding="utf-8"))
     entry = next(e for e in entries if e.get("memory_counts"))
-    (entry["layout"] if key == "attention" else entry)[key] = value
+    (entry["layout"] if key in ("attention", "engine") else entry)[key] = value
     (tmp_path / "one.yaml").write_text(yaml.safe_dump([entry]), encoding="utf-8")
     with pytest.raises(UserError, match=key):
         published.load(tmp_path)
