@@ -452,7 +452,7 @@ def _cached_layer_bytes(
         # policies differ (DeepSeek-V3 recomputes its up-projections and caches FP8 inputs)
         if floor:
             return hidden
-        return _selective_bytes(args, tp, hidden, moe, routed_split, floor, ep, kept, other_engine)
+        return _selective_bytes(args, tp, hidden, moe, routed_split, ep, kept, other_engine)
     narrow = (2 - gemm_input) / 2  # the share of a 16-bit GEMM input an FP8 cast saves
     attention = _attention_bytes(args, tp, floor)
     attention -= narrow * 2 * args.num_heads / tp * score_head_dims(args)[1]  # wo's input
@@ -473,7 +473,6 @@ def _selective_bytes(
     hidden: float,
     moe: bool,
     routed_split: int,
-    floor: bool,
     ep: int,
     kept: float = 1.0,
     other_engine: bool = False,
@@ -492,12 +491,12 @@ def _selective_bytes(
     heads = args.num_heads / tp
     if args.attention == "mla":
         products = sum(
-            width / split for width, split, up in mla_products(args, tp) if other_engine or not up
+            width / split for width, split, up in _mla_products(args, tp) if other_engine or not up
         )
     else:
         head_dim, _ = score_head_dims(args)
         products = heads * head_dim * (1 + 2 * args.kv_heads / args.num_heads)  # q, k, v
-    kernel = heads * (2 * _value_dim(args) + 4)  # the attention kernel's output and fp32 lse
+    kernel = heads * (2 * score_head_dims(args)[1] + 4)  # the attention kernel's output, fp32 lse
     ups = 2 if args.mlp == "swiglu" else 1
     # the block input; the projections' outputs (attention's and the FFN's) and their reduced
     # copies under tp; attention's products and its kernel's output
@@ -505,19 +504,18 @@ def _selective_bytes(
     matmuls = 2 * full + 2 * products
     if not moe:
         return kept_bytes + kept * (matmuls + 2 * ups * args.inter_dim / tp)
-    headroom = 1.0 if floor else ROUTING_HEADROOM
-    copies = args.num_activated_experts * headroom / routed_split
+    copies = args.num_activated_experts * ROUTING_HEADROOM / routed_split
     # another engine's policy keeps each routed copy's gate, up and down products; under expert
     # parallelism also the copy the dispatch all-to-all delivered and the one the combine returned
     if other_engine:
         matmuls += copies * (2 * ups * args.moe_inter_dim + full)
-        kept_bytes += copies * 2 * full if ep > 1 else 0.0
+        kept_bytes += (copies * 2 * full) if ep > 1 else 0.0
     width = args.num_shared_experts * args.moe_inter_dim
     matmuls += (2 * ups * width / tp + full) if width else 0.0
     return kept_bytes + 4 * args.num_routed_experts + kept * matmuls
 
 
-def mla_products(args: ModelArgs, tp: int) -> list[tuple[float, int, bool]]:
+def _mla_products(args: ModelArgs, tp: int) -> list[tuple[float, int, bool]]:
     """MLA's projections' outputs per token: (width, tp split, an up-projection the trainer's
     selective recompute runs again)."""
     heads = args.num_heads
@@ -531,10 +529,6 @@ def mla_products(args: ModelArgs, tp: int) -> list[tuple[float, int, bool]]:
     else:
         out.append((heads * qk, tp, False))
     return out
-
-
-def _value_dim(args: ModelArgs) -> int:
-    return score_head_dims(args)[1]
 
 
 def _sp(layout: Layout) -> int:
