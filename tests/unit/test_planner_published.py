@@ -66,8 +66,8 @@ def test_the_score_is_printed_and_does_not_regress(predictions, capsys):
     assert score.memory_median <= REGRESSION["memory_median"]
     assert score.bubble_mean <= REGRESSION["bubble_mean"]
     assert score.impossible <= REGRESSION["impossible"]
-    # ranges drawn from the other sources hold most held-out runs (nominal 80 %)
-    assert held_out["range_coverage"] >= 0.6
+    # ranges drawn from the other sources hold their 80 % of the held-out runs
+    assert held_out["range_coverage"] >= 0.78
 
 
 def test_the_in_training_share_is_fitted_and_holds_out_of_source(capsys):
@@ -121,13 +121,13 @@ def test_a_range_is_drawn_from_the_errors_of_similar_runs():
     f = published.Features("dense", 7e9, 64, False, "bf16", "H100")
     table = [
         {"id": f"r{i}", "source_key": "a" if i % 2 else "b", **f.__dict__, "log_error": e}
-        for i, e in enumerate([math.log(x) for x in (0.8, 0.9, 1.0, 1.1, 1.2)] * 3)
+        for i, e in enumerate([math.log(x) for x in (0.8, 0.9, 1.0, 1.1, 1.2)] * 7)
     ]
     low, high, runs = published.throughput_range(1000.0, f, table)
     # over-predicting by up to ~20 % means the truth lies up to ~20 % below, and vice versa
     assert runs == published.NEIGHBOURS and 800 < low < 1000 < high <= 1250 + 1e-6
     # leaving a source out draws only from the other
-    assert published.throughput_range(1000.0, f, table[:10], leave_out="a") is None
+    assert published.throughput_range(1000.0, f, table[:40], leave_out="a") is None
 
 
 def test_plan_prints_a_range_and_validate_reports_the_score():
