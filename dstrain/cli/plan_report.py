@@ -135,7 +135,14 @@ def _closest_command(
 
 
 def calibrate_command(paths: list[Path], args: argparse.Namespace, out: Console) -> int:
-    from dstrain.planner.calibrate import compare, fit, read_run, run_summary
+    from dstrain.planner.calibrate import (
+        COMM_FIT,
+        COMPUTE_FIT,
+        compare,
+        fit,
+        read_run,
+        run_summary,
+    )
     from dstrain.report.run_data import load_run
 
     runs = []
@@ -144,7 +151,8 @@ def calibrate_command(paths: list[Path], args: argparse.Namespace, out: Console)
         runs.append(read_run(path, summary, load_run(path).series))
     consts = fit(runs)
     rows = compare(runs, consts)
-    fitted = {**consts.compute.__dict__, **consts.comm.__dict__}
+    values = {**consts.compute.__dict__, **consts.comm.__dict__}
+    fitted = {name: values[name] for name in (*COMPUTE_FIT, *COMM_FIT)}
     if args.json:
         print_json({"constants": fitted, "runs": [row.to_json() for row in rows]})
         return 0
