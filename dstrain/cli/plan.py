@@ -44,8 +44,13 @@ predicted, before and after.
 
 --validate predicts every published run in dstrain/planner/published (training reports, papers,
 official scaling tables; each with its source) and prints predicted against published
-tokens/s per GPU, peak memory and bubble, the median errors, the share within 25 %, and the
-runs it would have called impossible.
+tokens/s per GPU, peak memory and bubble, the median errors, the share within 25 %, the runs
+it would have called impossible, and each source predicted with the one constant learnt from
+the table fitted on the other sources; --published DIR scores your own table instead.
+
+--engine predicts the layout as another engine runs it (megatron: Megatron-LM, NeMo; torchtitan;
+composer: llm-foundry), whose loss, selective recompute and FP8 memory differ from dstrain's
+trainer (docs/planner.md, "Other engines"); what is legal stays dstrain's verdict.
 
 examples:
   dstrain plan --model deepseek-v3 --gpu H800 --num-gpus 2048
@@ -54,6 +59,7 @@ examples:
   dstrain plan --model config.json --gpu a100-80gb --num-gpus 64 --tp 8 --top 5 --json
   dstrain plan --model deepseek-v2-lite --gpu H100 --num-gpus 16 --emit-config plan.toml
   dstrain plan --calibrate runs/dp2 runs/tp2 runs/ep2
+  dstrain plan --model config.json --gpu H100 --num-gpus 64 --tp 4 --pp 2 --engine megatron
   dstrain plan --validate --json
 """
 

@@ -25,6 +25,7 @@ from dstrain.hardware import gpu_spec
 from dstrain.model.flops import training_flops_per_token
 from dstrain.planner.engines import ENGINES
 from dstrain.planner.estimate import Constants, Estimate, estimate
+from dstrain.planner.kernels import SUSTAINED_SHARE
 from dstrain.planner.layout import ATTENTION_KERNELS, Cluster, Layout
 from dstrain.planner.legal import trainer_errors
 from dstrain.planner.memory import MEMORY_COUNTS, GiB
@@ -409,10 +410,13 @@ SUSTAINED_RANGE = (0.5, 1.0)
 
 def fit_sustained(runs: list[PublishedRun], *, leave_out: str | None = None) -> float:
     """The share that minimises the mean absolute log throughput error over `runs` (those of
-    source `leave_out` excluded): a golden-section search, the error being unimodal in it."""
+    source `leave_out` excluded): a golden-section search, the error being unimodal in it.
+    With no run to fit on, the shipped `SUSTAINED_SHARE`."""
     from dataclasses import replace
 
     pool = [r for r in runs if r.tokens_per_s_per_gpu and r.source_key != leave_out]
+    if not pool:  # nothing to fit on (a table of one source, left out): the shipped share
+        return SUSTAINED_SHARE
 
     def error(share: float) -> float:
         consts = Constants(replace(Constants().compute, sustained=share))
@@ -465,10 +469,10 @@ def leave_one_source_out_fit(runs: list[PublishedRun]) -> dict[str, Any]:
             "median_error": statistics.median(mine),
             "within": sum(e <= WITHIN for e in mine) / len(mine),
         }
-    shares = [v["sustained"] for v in by_source.values()]
+    shares = [v["sustained"] for v in by_source.values()] or [SUSTAINED_SHARE]
     return {
-        "median_error": statistics.median(errors),
-        "within": sum(e <= WITHIN for e in errors) / len(errors),
+        "median_error": _median(errors),
+        "within": sum(e <= WITHIN for e in errors) / len(errors) if errors else math.nan,
         "runs": len(errors),
         "sustained_range": (min(shares), max(shares)),
         "by_source": by_source,

@@ -194,3 +194,25 @@ def test_an_entry_with_an_unknown_memory_convention_is_refused(tmp_path, key, va
     (tmp_path / "one.yaml").write_text(yaml.safe_dump([entry]), encoding="utf-8")
     with pytest.raises(UserError, match=key):
         published.load(tmp_path)
+
+
+def test_validate_scores_a_table_of_your_own_and_plan_predicts_other_engines(tmp_path):
+    import yaml
+
+    entries = yaml.safe_load((published.PUBLISHED / "reports.yaml").read_text(encoding="utf-8"))
+    mine = [e for e in entries if e["source_key"] == "dubey2024-llama3"]
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(mine), encoding="utf-8")
+    result = run_cli("plan", "--validate", "--published", tmp_path, "--json")
+    assert result.code == 0, result.text
+    report = json.loads(result.out)
+    assert len(report["runs"]) == len(mine) and report["score"]["count"]["runs"] == len(mine)
+    assert run_cli("plan", "--validate", "--published", tmp_path / "none").code == 2
+
+    flags = ["--model", "deepseek-llm-7b", "--gpu", "H100", "--num-gpus", "8", "--tp", "2"]
+    flags += ["--pp", "1", "--precision", "fp8", "--json"]
+    ours = json.loads(run_cli("plan", *flags).out)
+    megatron = json.loads(run_cli("plan", *flags, "--engine", "megatron").out)
+    # Megatron's vocab-parallel loss and FP8 inputs hold less; its FP8 weight copies hold more
+    memory = ours["memory_gib_per_gpu"], megatron["memory_gib_per_gpu"]
+    assert memory[1]["activations"] < memory[0]["activations"]
+    assert memory[1]["weights"] > memory[0]["weights"]
