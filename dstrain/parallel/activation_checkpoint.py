@@ -23,6 +23,13 @@ FP8 GEMMs run eagerly). On a GPU that runs the routed experts without grouped GE
 fp16 experts) their per-expert matmuls are kept. The MoE's count all-to-all and split sizes are
 recomputed with the routing (a host sync again).
 
+The schedules that split each backward into an input-gradient and a weight-gradient pass (zbv,
+dualpipev) run two backwards over one region, which torch's per-op policy does not allow ("only
+allowed to backward once on any region computed under selective activation checkpoint"); there
+`selective` checkpoints the attention and the FFN of each block as whole modules instead, the
+norms and residual adds between them kept: a whole forward again, for memory near full
+recompute's.
+
 Uses torch.utils.checkpoint (non-reentrant), the wrapper torchtitan and FSDP2 compose with.
 """
 
@@ -62,14 +69,21 @@ KEPT_OPS = frozenset(
 ) | {torch._higher_order_ops.flex_attention}
 
 
-def apply_ac(model: Transformer, *, mode: str) -> None:
-    """Wrap `model`'s blocks (and MTP blocks) in place; mode is none, selective or full."""
+def apply_ac(model: Transformer, *, mode: str, split_backward: bool = False) -> None:
+    """Wrap `model`'s blocks (and MTP blocks) in place; mode is none, selective or full.
+    `split_backward`: the pipeline schedule runs input- and weight-gradient backwards apart
+    (zbv, dualpipev), so `selective` checkpoints whole modules (module docstring)."""
     if mode == "none":
         return
     context = {} if mode == "full" else {"context_fn": _selective_context}
     for parent in _block_parents(model):
         for name, block in parent.named_children():
-            if isinstance(block, TransformerBlock):
+            if not isinstance(block, TransformerBlock):
+                continue
+            if mode == "selective" and split_backward:
+                block.attention = checkpoint_wrapper(block.attention, preserve_rng_state=False)
+                block.ffn = checkpoint_wrapper(block.ffn, preserve_rng_state=False)
+            else:
                 wrapped = checkpoint_wrapper(block, preserve_rng_state=False, **context)
                 parent.register_module(name, wrapped)
 

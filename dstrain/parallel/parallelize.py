@@ -31,6 +31,7 @@ from dstrain.parallel.materialize import materialize
 from dstrain.parallel.mesh import Meshes
 from dstrain.parallel.moe_tokens import apply_token_split
 from dstrain.parallel.tensor_parallel import apply_tp
+from dstrain.planner.bubble import V_SCHEDULES as SPLIT_BACKWARD
 
 
 def parallelize_model(
@@ -55,7 +56,8 @@ def parallelize_model(
             apply_token_split(model, meshes["tp"])
     if dims is not None and dims.ep > 1:
         apply_ep(model, meshes["ep"], overlap_shared=config.parallel.ep_overlap)
-    apply_ac(model, mode=config.train.activation_checkpoint)
+    split = config.parallel.pp > 1 and config.parallel.pp_schedule in SPLIT_BACKWARD
+    apply_ac(model, mode=config.train.activation_checkpoint, split_backward=split)
     if config.train.compile:
         apply_compile(model)
     data_parallel = dims is not None and dims.dp > 1

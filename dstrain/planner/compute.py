@@ -147,6 +147,7 @@ def stage_times(
         layout.moe_tp,
         layout.attention,
         layout.engine,
+        layout.module_checkpoints,
     )
     return _stage_times(args, key, cluster, shape, consts or ComputeConstants())
 
@@ -155,7 +156,7 @@ def stage_times(
 def _stage_times(
     args: ModelArgs, key: tuple, cluster: Cluster, shape: RankShape, consts: ComputeConstants
 ) -> StageTimes:
-    tp, ep, cp, mb, seq, recompute, precision, sp, moe_tp, attention, engine = key
+    tp, ep, cp, mb, seq, recompute, precision, sp, moe_tp, attention, engine, modules = key
     layout = Layout(
         dp=1,
         tp=tp,
@@ -183,6 +184,8 @@ def _stage_times(
     shared = shape.moe_layers * _swiglu(args, chip, tokens, width, layout.tp) if width else _Pass()
     share = layout.traits.selective_matmuls
     selective = total.cheap + (total.heavy if share is None else share * total.matmul)
+    if modules:  # the trainer checkpoints attention and the FFN whole (`Layout.module_checkpoints`)
+        selective = total.forward
     recomputed = {"none": 0.0, "selective": selective, "full": total.forward}
     backward = total.backward + recomputed[layout.recompute]
     return StageTimes(total.forward, backward, total.weight, shared.forward)

@@ -49,6 +49,18 @@ class Layout:
     engine: str = "dstrain"
 
     @property
+    def module_checkpoints(self) -> bool:
+        """dstrain's selective recompute checkpoints attention and the FFN as whole modules
+        under the schedules that split each backward into input- and weight-gradient passes
+        (zbv, dualpipev: torch's per-op policy allows one backward per region)."""
+        return (
+            self.recompute == "selective"
+            and self.engine == "dstrain"
+            and self.pp > 1
+            and self.schedule in ("zbv", "dualpipev")
+        )
+
+    @property
     def traits(self) -> Engine:
         return ENGINES[self.engine]
 

@@ -314,6 +314,7 @@ def activation_bytes(
         layout.attention,
         layout.precision,
         layout.engine,
+        layout.module_checkpoints,
     )
     cache_key = (id(args), key)
     if cache_key not in _ACTIVATIONS:
@@ -346,7 +347,8 @@ def _activation_bytes(args: ModelArgs, layout: Layout, shape: RankShape, floor: 
         )
 
     scores = _scores_per_token(layout)
-    dense_layer, moe_layer = (layer(moe, layout.recompute, scores, floor) for moe in (False, True))
+    recompute = "modules" if layout.module_checkpoints else layout.recompute
+    dense_layer, moe_layer = (layer(moe, recompute, scores, floor) for moe in (False, True))
     per_microbatch = tokens * (shape.dense_layers * dense_layer + shape.moe_layers * moe_layer)
     if shape.has_embedding:
         per_microbatch += tokens * 2 * args.dim / _sp(layout)
@@ -447,6 +449,8 @@ def _cached_layer_bytes(
     hidden = 2 * args.dim / (tp if sp else 1)  # one hidden-size tensor
     if recompute == "full":
         return hidden
+    if recompute == "modules":  # the block input, and the inputs of attention and of the FFN
+        return 3 * hidden
     if recompute == "selective":
         # At the floor what full recompute keeps: no selective policy keeps less, and engines'
         # policies differ (DeepSeek-V3 recomputes its up-projections and caches FP8 inputs)

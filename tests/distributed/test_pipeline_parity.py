@@ -32,6 +32,15 @@ TWO_RANKS = {
     "pp2_zbv": ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.num_virtual_stages=2"],
     "pp2_dualpipev": [*DUALPIPEV, "parallel.pp_overlap=true"],  # auto is off on CPU
     "pp2_dualpipev_sequential": [*DUALPIPEV, "parallel.pp_overlap=false"],
+    # selective recompute per op on a single backward, as whole modules where the schedule
+    # splits it into input- and weight-gradient passes
+    "pp2_1f1b_selective": ["parallel.pp=2", "train.activation_checkpoint=selective"],
+    "pp2_zbv_selective": [
+        "parallel.pp=2",
+        "parallel.pp_schedule=zbv",
+        "parallel.num_virtual_stages=2",
+        "train.activation_checkpoint=selective",
+    ],
 }
 # DeepSeek-V3's layout in small: DualPipeV x EP x ZeRO-1.
 V3_SMALL = [
@@ -62,6 +71,11 @@ FOUR_RANKS = {
         *V3_SMALL,
         "parallel.pp_overlap=true",
         "train.activation_checkpoint=full",
+    ],
+    "pp2_dp2_dualpipev_selective": [
+        *V3_SMALL,
+        "parallel.pp_overlap=true",
+        "train.activation_checkpoint=selective",
     ],
     "pp2_tp2_sp": ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
     "pp2_ep2": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2"],
