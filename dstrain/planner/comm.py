@@ -12,14 +12,17 @@ input), n ranks, link bandwidth B and per-step latency alpha:
     all_to_all       (n-1)/n * S/B + (n-1) alpha
     p2p              S/B + alpha
 
-The bandwidth factors are nccl-tests' bus-bandwidth factors (doc/PERFORMANCE.md: busbw = algbw *
-factor), so B is what nccl-tests reports as busbw and `--calibrate` can fit it from `dstrain
-bench`. n == 1 costs nothing.
+plus NCCL's per-call latency. The bandwidth factors are nccl-tests' bus-bandwidth factors
+(doc/PERFORMANCE.md: busbw = algbw * factor), so B is what nccl-tests reports as busbw and
+`--calibrate` can fit it from `dstrain bench`. n == 1 costs nothing. An all-reduce takes the
+faster of the ring, NCCL's tree across nodes and NVLink SHARP inside a Hopper node, as NCCL's
+tuner does (`collective`).
 
 Rank order (the trainer's, `dstrain/parallel/mesh.py`): row-major over (pp, dp, cp, tp), tp
 innermost; ep takes the innermost ep ranks of the dp x cp x tp block, and the ranks holding the
 same experts (edp) are strided by ep. A group of n ranks with stride s spans n*s consecutive
-ranks: within a node it uses the node's fabric, else the network (one NIC per GPU).
+ranks: within a node it uses the node's fabric, else the network (one NIC per GPU, a ring's
+members on a node crossing over theirs at once).
 """
 
 import math
