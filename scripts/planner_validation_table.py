@@ -14,7 +14,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from dstrain.planner.kernels import SUSTAINED_SHARE  # noqa: E402
-from dstrain.planner.memory import GiB  # noqa: E402
 from dstrain.planner.published import (  # noqa: E402
     WITHIN,
     leave_one_source_out,
@@ -75,22 +74,8 @@ def main() -> None:
         "|---|---|---|---|---|---|",
     ]
     for p in predictions:
-        run, errors = p.run, p.errors()
-        measured = run.tokens_per_s_per_gpu
-        throughput = (
-            f"{measured:,.0f} / {p.tokens_per_s_per_gpu:,.0f} ({errors['throughput']:+.0%})"
-            if measured
-            else ""
-        )
-        memory = ""
-        if "memory" in errors:
-            predicted = p.estimate.memory.counted(run.memory_counts) / GiB
-            memory = (
-                f"{run.measured['peak_memory_gib']:.1f} / {predicted:.1f} ({errors['memory']:+.0%})"
-            )
-        bubble = ""
-        if "bubble" in errors:
-            bubble = f"{run.measured['bubble']:.3f} / {p.predicted_bubble:.3f}"
+        run = p.run
+        throughput, memory, bubble = p.cells(" / ")
         lines.append(
             f"| {run.id} | {run.cluster.num_gpus} {run.cluster.gpu.name} | "
             f"{run.layout.describe()} | {throughput} | {memory} | {bubble} |"

@@ -123,20 +123,8 @@ def _table(predictions: list[Prediction]) -> Table:
     for column in ("run", "GPUs", "layout", "tok/s/GPU pub/pred", "memory GiB pub/pred", "note"):
         table.add_column(column, justify="right" if column == "GPUs" else "left")
     for p in predictions:
-        run, errors = p.run, p.errors()
-        measured = run.tokens_per_s_per_gpu
-        throughput = (
-            f"{measured:,.0f}/{p.tokens_per_s_per_gpu:,.0f} ({errors['throughput']:+.0%})"
-            if measured
-            else ""
-        )
-        memory = (
-            f"{run.measured['peak_memory_gib']:.1f}/"
-            f"{p.estimate.memory.counted(run.memory_counts) / GiB:.1f} "
-            f"({errors['memory']:+.0%})"
-            if "memory" in errors
-            else ""
-        )
+        run = p.run
+        throughput, memory, _ = p.cells()
         table.add_row(
             run.id,
             f"{run.cluster.num_gpus} {run.cluster.gpu.name}",

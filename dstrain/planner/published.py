@@ -113,6 +113,27 @@ class Prediction:
         e = self.estimate
         return e.busiest_bubble if self.run.bubble_counts == "busiest" else e.bubble_fraction
 
+    def cells(self, sep: str = "/") -> tuple[str, str, str]:
+        """(throughput, memory, bubble) as printed: published`sep`predicted (error); "" where
+        the source measured none."""
+        run, errors = self.run, self.errors()
+        measured = run.tokens_per_s_per_gpu
+        throughput = memory = bubble = ""
+        if measured:
+            throughput = (
+                f"{measured:,.0f}{sep}{self.tokens_per_s_per_gpu:,.0f} "
+                f"({errors['throughput']:+.0%})"
+            )
+        if "memory" in errors:
+            predicted = self.estimate.memory.counted(run.memory_counts) / GiB
+            memory = (
+                f"{run.measured['peak_memory_gib']:.1f}{sep}{predicted:.1f} "
+                f"({errors['memory']:+.0%})"
+            )
+        if "bubble" in errors:
+            bubble = f"{run.measured['bubble']:.3f}{sep}{self.predicted_bubble:.3f}"
+        return throughput, memory, bubble
+
     def errors(self) -> dict[str, float]:
         """Relative errors (predicted / measured - 1) of throughput and memory, and the bubble's
         absolute error, for what the source measured."""
