@@ -329,26 +329,10 @@ _MODELS: dict[int, ModelArgs] = {}
 
 def _activation_bytes(args: ModelArgs, layout: Layout, shape: RankShape, floor: bool) -> float:
     tokens = layout.micro_batch * layout.seq_len / layout.cp
-
-    def layer(moe: bool, recompute: str, scores: int, at_floor: bool) -> float:
-        return _cached_layer_bytes(
-            args,
-            layout.tp,
-            layout.sequence_parallel,
-            recompute,
-            moe,
-            layout.routed_split,
-            at_floor,
-            scores,
-            layout.ep,
-            _matmuls_kept(layout),
-            layout.traits.selective_matmuls is not None,
-            _gemm_input_bytes(layout, at_floor),
-        )
-
-    scores = _scores_per_token(layout)
     recompute = "modules" if layout.module_checkpoints else layout.recompute
-    dense_layer, moe_layer = (layer(moe, recompute, scores, floor) for moe in (False, True))
+    dense_layer, moe_layer = (
+        _layer_bytes(args, layout, recompute, moe, floor=floor) for moe in (False, True)
+    )
     per_microbatch = tokens * (shape.dense_layers * dense_layer + shape.moe_layers * moe_layer)
     if shape.has_embedding:
         per_microbatch += tokens * 2 * args.dim / _sp(layout)
@@ -359,9 +343,9 @@ def _activation_bytes(args: ModelArgs, layout: Layout, shape: RankShape, floor: 
     loss = tokens * _head_bytes_per_token(args, layout) if shape.has_head and not floor else 0.0
     recomputed = 0.0
     if layout.recompute != "none":  # at the floor with today's kernels: FlashAttention
-        whole = 0 if floor else scores
+        whole = 0 if floor else _scores_per_token(layout)
         moes = (False, shape.moe_layers > 0)
-        recomputed = tokens * max(layer(m, "none", whole, False) for m in moes)
+        recomputed = tokens * max(_layer_bytes(args, layout, "none", m, scores=whole) for m in moes)
     return resident + max(loss, recomputed)
 
 
@@ -385,7 +369,17 @@ def layer_bytes_per_token(args: ModelArgs, layout: Layout, *, moe: bool) -> floa
     return _layer_bytes(args, layout, layout.recompute, moe)
 
 
-def _layer_bytes(args: ModelArgs, layout: Layout, recompute: str, moe: bool) -> float:
+def _layer_bytes(
+    args: ModelArgs,
+    layout: Layout,
+    recompute: str,
+    moe: bool,
+    *,
+    floor: bool = False,
+    scores: int | None = None,
+) -> float:
+    """`_cached_layer_bytes` for `layout`; `scores`: the unfused attention's per token and head
+    (`_scores_per_token` when None)."""
     return _cached_layer_bytes(
         args,
         layout.tp,
@@ -393,12 +387,12 @@ def _layer_bytes(args: ModelArgs, layout: Layout, recompute: str, moe: bool) -> 
         recompute,
         moe,
         layout.routed_split,
-        False,
-        _scores_per_token(layout),
+        floor,
+        _scores_per_token(layout) if scores is None else scores,
         layout.ep,
         _matmuls_kept(layout),
         layout.traits.selective_matmuls is not None,
-        _gemm_input_bytes(layout, False),
+        _gemm_input_bytes(layout, floor),
     )
 
 
