@@ -12,7 +12,7 @@ square is not compared against dstrain's model FLOPs.
 import math
 import statistics
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -433,14 +433,12 @@ def fit_sustained(runs: list[PublishedRun], *, leave_out: str | None = None) -> 
     """The share that minimises the mean absolute log throughput error over `runs` (those of
     source `leave_out` excluded): a golden-section search, the error being unimodal in it.
     With no run to fit on, the shipped `SUSTAINED_SHARE`."""
-    from dataclasses import replace
-
     pool = [r for r in runs if r.tokens_per_s_per_gpu and r.source_key != leave_out]
     if not pool:  # nothing to fit on (a table of one source, left out): the shipped share
         return SUSTAINED_SHARE
 
     def error(share: float) -> float:
-        consts = Constants(replace(Constants().compute, sustained=share))
+        consts = _with_sustained(share)
         return statistics.fmean(
             abs(math.log(predict_throughput(r, consts) / r.tokens_per_s_per_gpu)) for r in pool
         )
@@ -461,6 +459,10 @@ def fit_sustained(runs: list[PublishedRun], *, leave_out: str | None = None) -> 
     return (low + high) / 2
 
 
+def _with_sustained(share: float) -> Constants:
+    return Constants(replace(Constants().compute, sustained=share))
+
+
 def predict_throughput(run: PublishedRun, consts: Constants) -> float:
     """Predicted tokens/s per GPU of a published run under `consts` (no legality, no range)."""
     result = estimate(run.args, run.layout, run.cluster, consts)
@@ -471,13 +473,11 @@ def leave_one_source_out_fit(runs: list[PublishedRun]) -> dict[str, Any]:
     """Each source predicted with the in-training share fitted on the other sources only: its
     median error and share within 25 %, and the fitted shares' spread. This is the held-out
     check of the one constant the point predictions learn from the table."""
-    from dataclasses import replace
-
     by_source: dict[str, dict[str, Any]] = {}
     errors: list[float] = []
     for key in sorted({r.source_key for r in runs if r.tokens_per_s_per_gpu}):
         share = fit_sustained(runs, leave_out=key)
-        consts = Constants(replace(Constants().compute, sustained=share))
+        consts = _with_sustained(share)
         mine = [
             abs(predict_throughput(r, consts) / r.tokens_per_s_per_gpu - 1)
             for r in runs
