@@ -7,6 +7,7 @@ from pathlib import Path
 
 from dstrain.cli.common import add_json_flag, console, positive_int
 from dstrain.errors import UserError
+from dstrain.planner.engines import ENGINES
 
 _EPILOG = """\
 A layout is given when --tp, --pp and --ep all are (--ep may be left out for a dense model; dp
@@ -124,7 +125,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     layout.add_argument("--offload", action="store_true", help="optimizer states on the host")
     layout.add_argument(
         "--engine",
-        choices=("dstrain", "megatron", "torchtitan", "composer"),
+        choices=tuple(ENGINES),
         default="dstrain",
         help="predict the layout as this engine runs it (its loss, selective recompute and FP8 "
         "memory: docs/planner.md); default: dstrain's own trainer",

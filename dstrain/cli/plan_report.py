@@ -3,6 +3,7 @@ reasons the winner wins; as text or JSON; and the emitted config."""
 
 import argparse
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from rich.console import Console
@@ -62,7 +63,7 @@ def search_command(
     out: Console,
     started: float,
 ) -> int:
-    with out.status("searching layouts...", spinner="dots") if out.is_terminal else _nothing():
+    with out.status("searching layouts...", spinner="dots") if out.is_terminal else nullcontext():
         found = search(model, cluster, base, fixed, top=args.top)
     seconds = time.perf_counter() - started
     if not found.ranked and found.closest is not None:
@@ -292,11 +293,3 @@ def _why_it_wins(e: Estimate) -> str:
 
 def _knob(layout: Layout, knob: str) -> str:
     return f"{getattr(layout, knob)}"
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

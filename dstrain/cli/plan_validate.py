@@ -3,6 +3,7 @@ in sum (`dstrain/planner/published.py`)."""
 
 import argparse
 import math
+from contextlib import nullcontext
 
 from rich.console import Console
 from rich.table import Table
@@ -23,7 +24,7 @@ from dstrain.planner.published import (
 
 def validate_command(args: argparse.Namespace, out: Console) -> int:
     runs = load(args.published) if args.published else load()
-    with out.status("predicting the published runs...") if out.is_terminal else _quiet():
+    with out.status("predicting the published runs...") if out.is_terminal else nullcontext():
         predictions = [predict(run) for run in runs]
         total = score(predictions)
         held_out = leave_one_source_out(predictions)
@@ -86,14 +87,6 @@ def _sources(held_out: dict, refit: dict) -> Table:
             _pct(alone["median_error"]) if alone else "",
         )
     return table
-
-
-class _quiet:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _row_json(p: Prediction) -> dict:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dstrain.config.parallel_dims import ParallelDims
-from dstrain.config.schema import DstrainConfig
+from dstrain.config.schema import V_SHAPED, DstrainConfig
 from dstrain.model.fp8 import choose_backend
 from dstrain.model.fp8_linear import apply_fp8
 from dstrain.model.hf_load import HFCheckpoint
@@ -31,7 +31,6 @@ from dstrain.parallel.materialize import materialize
 from dstrain.parallel.mesh import Meshes
 from dstrain.parallel.moe_tokens import apply_token_split
 from dstrain.parallel.tensor_parallel import apply_tp
-from dstrain.planner.bubble import V_SCHEDULES as SPLIT_BACKWARD
 
 
 def parallelize_model(
@@ -56,7 +55,7 @@ def parallelize_model(
             apply_token_split(model, meshes["tp"])
     if dims is not None and dims.ep > 1:
         apply_ep(model, meshes["ep"], overlap_shared=config.parallel.ep_overlap)
-    split = config.parallel.pp > 1 and config.parallel.pp_schedule in SPLIT_BACKWARD
+    split = config.parallel.pp > 1 and config.parallel.pp_schedule in V_SHAPED
     apply_ac(model, mode=config.train.activation_checkpoint, split_backward=split)
     if config.train.compile:
         apply_compile(model)

@@ -8,8 +8,9 @@ backward and weight-gradient backward of one stage (chunk); the full backward co
 import math
 from dataclasses import dataclass
 
+from dstrain.config.schema import V_SHAPED
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev")
-V_SCHEDULES = ("zbv", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ def stages_per_rank(schedule: str, virtual_stages: int = 1) -> int:
     V-shaped schedules always hold 2 (stages r and 2p-1-r), gpipe and 1f1b hold 1."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
-    if schedule in V_SCHEDULES:
+    if schedule in V_SHAPED:
         return 2
     return virtual_stages if schedule == "interleaved-1f1b" else 1
 
@@ -71,7 +72,7 @@ def theoretical_bubble(
     if pp == 1:
         return 0.0
     p, m = pp, microbatches
-    if schedule not in V_SCHEDULES:
+    if schedule not in V_SHAPED:
         return (p - 1) / (v * m + p - 1)
     f, b, w = costs.forward, costs.full_backward, costs.weight
     # Table rows: ZB1P (F+B-2W) and DualPipeV (F&B+B-3W with F&B = F+B, one stream).
