@@ -35,7 +35,9 @@ changes no scale: FP8 parity across data-parallel layouts rests on it. The forwa
 kept in its compute dtype (bf16) for wgrad, not in FP8 as V3 caches it.
 """
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +114,7 @@ class Quantized:
 
 
 def _pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    dim %= x.dim()
     extra = -x.size(dim) % multiple
     if extra == 0:
         return x
@@ -132,31 +135,38 @@ def _cast(x_scaled: torch.Tensor) -> torch.Tensor:
 def tile_amax(x_RK: torch.Tensor) -> torch.Tensor:
     """Max-abs of every 1 x 128 tile along the last dim: [R, Kc] (fp32)."""
     x = _pad_to(x_RK, 1, TILE)
-    return x.abs().view(x.size(0), -1, TILE).amax(-1).float()
+    return x.abs().view(x.size(0), x.size(1) // TILE, TILE).amax(-1).float()
+
+
+def _blocks(w_NK: torch.Tensor) -> torch.Tensor:
+    """[..., N, K] zero-padded into 128 x 128 blocks: [..., Nb, 128, Kc, 128]."""
+    w = _pad_to(_pad_to(w_NK, -1, TILE), -2, TILE)
+    return w.unflatten(-1, (-1, TILE)).unflatten(-3, (-1, TILE))
 
 
 def block_amax(w_NK: torch.Tensor) -> torch.Tensor:
-    """Max-abs of every 128 x 128 block: [Nb, Kc] (fp32)."""
-    w = _pad_to(_pad_to(w_NK, 1, TILE), 0, TILE)
-    blocks = w.abs().view(w.size(0) // TILE, TILE, -1, TILE)
-    return blocks.amax(dim=(1, 3)).float()
+    """Max-abs of every 128 x 128 block of [..., N, K]: [..., Nb, Kc] (fp32)."""
+    return _blocks(w_NK).abs().amax(dim=(-3, -1)).float()
 
 
 def quantize_tiles(x_RK: torch.Tensor) -> Quantized:
-    """E4M3 with one scale per 1 x 128 tile of each row."""
+    """E4M3 with one scale per 1 x 128 tile of each row. The data is row-major whatever
+    `x_RK`'s strides (a transposed view for wgrad): cuBLASLt reads operands by their strides
+    and refuses a column-major left operand (`scaled_mm`'s "self must be row_major")."""
     scale = _scales(tile_amax(x_RK))
-    x = _pad_to(x_RK, 1, TILE).float().view(x_RK.size(0), -1, TILE)
-    data = _cast(x / scale[..., None]).view(x_RK.size(0), -1)
+    x = _pad_to(x_RK, 1, TILE).contiguous().float()
+    x = x.view(x.size(0), x.size(1) // TILE, TILE)
+    data = _cast(x / scale[..., None]).flatten(1)
     return Quantized(data, scale, 1, x_RK.size(0), x_RK.size(1))
 
 
 def quantize_blocks(w_NK: torch.Tensor) -> Quantized:
-    """E4M3 with one scale per 128 x 128 block."""
+    """E4M3 with one scale per 128 x 128 block, of one weight [N, K] or of a stack of them
+    [E, N, K] in one pass (the routed experts'): data [..., N, K padded], scale [..., Nb, Kc]."""
     scale = _scales(block_amax(w_NK))
-    N, K = w_NK.shape
-    w = _pad_to(_pad_to(w_NK, 1, TILE), 0, TILE).float()
-    blocks = w.view(w.size(0) // TILE, TILE, -1, TILE) / scale[:, None, :, None]
-    data = _cast(blocks).view(w.size(0), -1)[:N]
+    N, K = w_NK.shape[-2:]
+    blocks = _blocks(w_NK).float() / scale[..., :, None, :, None]
+    data = _cast(blocks).flatten(-2).flatten(-3, -2)[..., :N, :]
     return Quantized(data, scale, TILE, N, K)
 
 
@@ -206,7 +216,9 @@ def _scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tens
 def scaled_mm_operand(q: Quantized) -> tuple[torch.Tensor, torch.Tensor]:
     """The E4M3 rows (padded to whole 128-row tiles) and the scales in the layout cuBLASLt's
     blockwise kernel requires (module docstring)."""
-    data = _pad_to(q.data, 0, TILE)
+    # Row-major E4M3 rows: mat_a as it is, mat_b through `.t()` as the column-major operand
+    # cuBLASLt requires (a no-op copy for what `quantize_*` made; a strided slice is copied).
+    data = _pad_to(q.data, 0, TILE).contiguous()
     if q.block_rows == 1:
         scale = _pad_to(q.scale, 0, TILE)
         scale = torch.where(scale == 0, torch.ones_like(scale), scale)
@@ -233,6 +245,16 @@ def inside_fp8_gemm() -> bool:
     return getattr(_STATE, "inside", False)
 
 
+@contextlib.contextmanager
+def fp8_gemm_region() -> Iterator[None]:
+    """Marks an FP8 GEMM's forward (`inside_fp8_gemm`)."""
+    _STATE.inside = True
+    try:
+        yield
+    finally:
+        _STATE.inside = False
+
+
 class Fp8Matmul(torch.autograd.Function):
     """y = x @ w^T with every GEMM of forward and backward in E4M3 (module docstring).
 
@@ -245,13 +267,10 @@ class Fp8Matmul(torch.autograd.Function):
     def forward(ctx, x, w, backend):
         x_c, w_c = x.to(COMPUTE), w.to(COMPUTE)
         ctx.backend, ctx.x_dtype, ctx.w_dtype = backend, x.dtype, w.dtype
-        _STATE.inside = True
-        try:
+        with fp8_gemm_region():
             y = blockwise_mm(
                 quantize_tiles(x_c.reshape(-1, x.size(-1))), quantize_blocks(w_c), COMPUTE, backend
             )
-        finally:
-            _STATE.inside = False
         # The bf16 weight, not its E4M3 copy: under FSDP2 (bf16 param_dtype) it is the gathered
         # parameter itself, whose storage FSDP frees after forward and gathers again for
         # backward; a saved E4M3 copy would keep every layer's whole weight alive meanwhile.
@@ -281,5 +300,13 @@ class Fp8Matmul(torch.autograd.Function):
 def fp8_matmul(x: torch.Tensor, w: torch.Tensor, backend: str) -> torch.Tensor:
     """x @ w^T in FP8 (bf16 output), outside autocast: the quantisation is explicit, and
     autocast would recast the fp32 chunk products to bf16."""
-    with torch.autocast(x.device.type, enabled=False):
+    with no_autocast(x.device):
         return Fp8Matmul.apply(x, w, backend)
+
+
+def no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast off on `device`; nothing on `meta` (the CUDA-rules tests' device), which has
+    no autocast."""
+    if device.type == "meta":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, enabled=False)

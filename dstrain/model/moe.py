@@ -12,6 +12,12 @@ sum of its two best biased affinities under sigmoid (V3) and its best affinity u
 Compute: token copies are sorted by expert and run through grouped matmuls (one kernel for all
 experts) instead of a Python loop per expert. The sorted layout and the per-expert counts are
 what expert parallelism exchanges with all_to_all.
+
+Host syncs: none where the grouped kernel runs (bf16 everywhere; fp32 and fp16 on the CPU): the
+offsets stay on the device. Where it cannot (fp32 or fp16 on CUDA, whose `_grouped_mm` takes
+bf16 only, and FP8, which has no grouped blockwise kernel: `fp8_grouped.py`), the experts need
+their split sizes as ints: one read per MoE layer and micro-batch, shared by the three GEMMs
+(`grouped_swiglu`'s `sizes`), which expert parallelism takes from its own all-to-all read.
 """
 
 from collections.abc import Callable
@@ -22,7 +28,7 @@ from torch import nn
 
 from dstrain.config.model_args import ModelArgs
 from dstrain.model.ffn import FeedForward
-from dstrain.model.fp8 import fp8_matmul
+from dstrain.model.fp8_grouped import fp8_grouped_mm
 
 _GROUPED_MM = getattr(F, "grouped_mm", None)  # torch >= 2.9; the loop below serves older torch
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -126,24 +132,36 @@ def grouped_swiglu(
     w3_EFD: torch.Tensor,
     counts_E: torch.Tensor,
     fp8_backend: str | None = None,
+    sizes: list[int] | None = None,
 ) -> torch.Tensor:
     """SwiGLU of every expert on its rows of x (sorted by expert): w2(silu(w1 x) * w3 x), in the
     compute dtype (autocast's, else x's): autocast does not cover grouped GEMMs, and
     `grouped_mm` refuses mixed dtypes (bf16 activations on fp32 experts kept out of FSDP2).
-    With `fp8_backend`, each GEMM runs in FP8 on it instead (`fp8_grouped_matmul`)."""
+    With `fp8_backend`, each GEMM runs in FP8 on it instead (`fp8_grouped.py`). `sizes`:
+    counts_E as ints where the caller already read them (expert parallelism)."""
     if fp8_backend is not None:
-        gate_TF = fp8_grouped_matmul(x_TD, w1_EFD, counts_E, fp8_backend)
-        up_TF = fp8_grouped_matmul(x_TD, w3_EFD, counts_E, fp8_backend)
-        return fp8_grouped_matmul(F.silu(gate_TF) * up_TF, w2_EDF, counts_E, fp8_backend)
+        sizes = split_sizes(counts_E, sizes)
+        gate_TF = fp8_grouped_mm(x_TD, w1_EFD, sizes, fp8_backend)
+        up_TF = fp8_grouped_mm(x_TD, w3_EFD, sizes, fp8_backend)
+        return fp8_grouped_mm(F.silu(gate_TF) * up_TF, w2_EDF, sizes, fp8_backend)
     dtype = compute_dtype(x_TD)
     x_TD = x_TD.to(dtype)
     w1_EFD, w2_EDF, w3_EFD = (w.to(dtype) for w in (w1_EFD, w2_EDF, w3_EFD))
     matmul = _grouped_matmul
     if dtype != torch.bfloat16 and torch.compiler.is_compiling():
         matmul = _eager_grouped_matmul
-    gate_TF = matmul(x_TD, w1_EFD, counts_E)
-    up_TF = matmul(x_TD, w3_EFD, counts_E)
-    return matmul(F.silu(gate_TF) * up_TF, w2_EDF, counts_E)
+    sizes = None if _can_group(x_TD, w1_EFD) else split_sizes(counts_E, sizes)
+    gate_TF = matmul(x_TD, w1_EFD, counts_E, sizes)
+    up_TF = matmul(x_TD, w3_EFD, counts_E, sizes)
+    return matmul(F.silu(gate_TF) * up_TF, w2_EDF, counts_E, sizes)
+
+
+def split_sizes(counts_E: torch.Tensor, sizes: list[int] | None) -> list[int]:
+    """The experts' row counts as ints: `sizes` where the caller has them, else read."""
+    if sizes is not None:
+        return sizes
+    # Host-device sync: the per-expert slices need their sizes on the host (module docstring).
+    return counts_E.tolist()
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -155,51 +173,42 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def _grouped_matmul(
-    x_TI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor
+    x_TI: torch.Tensor,
+    w_EOI: torch.Tensor,
+    counts_E: torch.Tensor,
+    sizes: list[int] | None = None,
 ) -> torch.Tensor:
-    """Rows of x for expert e times w[e]^T, for every e at once."""
+    """Rows of x for expert e times w[e]^T, for every e at once; per expert on `sizes` where
+    the grouped kernel cannot run (`_can_group`: fp32 or fp16 on CUDA)."""
     if x_TI.size(0) == 0:
         # No rows (an EP rank every token passed by): grouped_mm's backward fails on them in
         # torch 2.13 ("Invalid strides/sizes"). An empty product keeps x in the graph.
         return x_TI @ w_EOI[0].T
-    if _can_group(x_TI, w_EOI):
+    if sizes is None:
         offsets = torch.cumsum(counts_E, 0, dtype=torch.int32)
         return _GROUPED_MM(x_TI, w_EOI.transpose(-2, -1), offs=offsets)
-    # Fallback where grouped_mm cannot run (see _can_group): fp32 or fp16 on CUDA, whose
-    # grouped_mm kernel takes bf16 only. Host sync: tolist() (the split sizes).
-    chunks = x_TI.split(counts_E.tolist())
+    chunks = x_TI.split(sizes)
     return torch.cat([chunk @ w.T for chunk, w in zip(chunks, w_EOI, strict=True)])
 
 
-@torch.compiler.disable
 def fp8_grouped_matmul(
     x_TI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor, backend: str
 ) -> torch.Tensor:
-    """`_grouped_matmul` in FP8: one blockwise GEMM per expert (no grouped blockwise kernel
-    exists: `scaled_grouped_mm` takes rowwise and MX scales only). Each expert's rows are tiled
-    1 x 128 along I; its weight in 128 x 128 blocks; the wgrad's tiles run along its rows.
-    Host sync: tolist() (the split sizes). Eager under torch.compile (data-dependent splits)."""
-    chunks = x_TI.split(counts_E.tolist())
-    out = [
-        fp8_matmul(chunk, w, backend) for chunk, w in zip(chunks, w_EOI, strict=True) if len(chunk)
-    ]
-    if not out:
-        # No rows at all (an EP rank every token passed by). The empty result must still hang
-        # off x in the autograd graph: otherwise backward never reaches the dispatch that
-        # delivered x, its all-to-all backward is skipped on this rank alone, and the peers
-        # wait for it forever.
-        return x_TI.to(torch.bfloat16) @ w_EOI[0].to(torch.bfloat16).T
-    return torch.cat(out)
+    """`_grouped_matmul` in FP8 on `backend` (`fp8_grouped.Fp8GroupedMatmul`)."""
+    return fp8_grouped_mm(x_TI, w_EOI, split_sizes(counts_E, None), backend)
 
 
 @torch.compiler.disable
 def _eager_grouped_matmul(
-    x_TI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor
+    x_TI: torch.Tensor,
+    w_EOI: torch.Tensor,
+    counts_E: torch.Tensor,
+    sizes: list[int] | None = None,
 ) -> torch.Tensor:
     """`_grouped_matmul` outside torch.compile's graph: torch 2.13's meta kernel of
     `_grouped_mm`, which compile traces with, takes bf16 only, while the eager CPU kernel runs
     fp32 and fp16. The graph breaks around the experts; the rest of the block compiles."""
-    return _grouped_matmul(x_TI, w_EOI, counts_E)
+    return _grouped_matmul(x_TI, w_EOI, counts_E, sizes)
 
 
 def _can_group(x_TI: torch.Tensor, w_EOI: torch.Tensor) -> bool:

@@ -110,34 +110,43 @@ class ExpertParallelExperts(nn.Module):
         group = self.ep_mesh.get_group()
         W, L = self.ep_mesh.size(), self.num_local_experts
         if self.balanced:
-            recv_WL, send_W, recv_W = _balanced_splits(x_TD, W, L)
+            recv_WL, send_W, recv_W, sizes_L = _balanced_splits(x_TD, W, L)
         else:
             # recv_WL[i, l]: rows rank i sends to my local expert l (even splits of L counts).
             # Through the module (not imported names): the communication timer counts these.
             recv_WL = funcol.all_to_all_single(counts_E, None, None, group).view(W, L)
-            # Host-device sync: the all-to-all split sizes must be Python ints (one .tolist()).
-            send_W, recv_W = torch.stack([counts_E.view(W, L).sum(1), recv_WL.sum(1)]).tolist()
+            # Host-device sync: the all-to-all split sizes must be Python ints; the one read
+            # also brings the local experts' row counts, for the GEMMs that slice per expert.
+            sizes = torch.cat([counts_E.view(W, L).sum(1), recv_WL.sum(1), recv_WL.sum(0)])
+            sizes = sizes.tolist()
+            send_W, recv_W, sizes_L = sizes[:W], sizes[W : 2 * W], sizes[2 * W :]
         x_RD = label_backward(funcol.all_to_all_single_autograd(x_TD, recv_W, send_W, group), "ep")
         if meanwhile is not None:
             meanwhile()
         order_R, inverse_R = _by_local_expert(recv_WL, sum(recv_W))
-        y_RD = self._local_experts(x_RD[order_R], recv_WL.sum(0))[inverse_R]
+        y_RD = self._local_experts(x_RD[order_R], recv_WL.sum(0), sizes_L)[inverse_R]
         y_TD = funcol.all_to_all_single_autograd(y_RD, send_W, recv_W, group)
         return label_backward(y_TD, "ep")
 
-    def _local_experts(self, x_RD: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+    def _local_experts(
+        self, x_RD: torch.Tensor, counts_L: torch.Tensor, sizes_L: list[int]
+    ) -> torch.Tensor:
         # GroupedExperts.forward on the local shards.
         w1_LFD, w2_LDF, w3_LFD = (getattr(self, n).to_local() for n in EXPERT_WEIGHTS)
-        return grouped_swiglu(x_RD, w1_LFD, w2_LDF, w3_LFD, counts_L, self.fp8_backend)
+        return grouped_swiglu(x_RD, w1_LFD, w2_LDF, w3_LFD, counts_L, self.fp8_backend, sizes_L)
 
 
-def _balanced_splits(x_TD: torch.Tensor, W: int, L: int) -> tuple[torch.Tensor, list, list]:
-    """Routing as if perfectly balanced: T rows split as evenly as whole rows allow."""
+def _balanced_splits(
+    x_TD: torch.Tensor, W: int, L: int
+) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
+    """Routing as if perfectly balanced: T rows split as evenly as whole rows allow. (recv_WL,
+    send_W, recv_W, rows per local expert), the sizes made on the host."""
     T = x_TD.size(0)
     send_W = [T // W + (1 if i < T % W else 0) for i in range(W)]
     per_expert = [[n // L + (1 if j < n % L else 0) for j in range(L)] for n in send_W]
     recv_WL = torch.tensor(per_expert, device=x_TD.device)
-    return recv_WL, send_W, list(send_W)
+    sizes_L = [sum(row[j] for row in per_expert) for j in range(L)]
+    return recv_WL, send_W, list(send_W), sizes_L
 
 
 def _by_local_expert(recv_WL: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dstrain.errors import UserError
-from dstrain.model import fp8
+from dstrain.model import fp8, fp8_grouped
 
 SHAPES = [(5, 7, 9), (130, 200, 300), (256, 128, 128), (1, 129, 257)]
 
@@ -146,3 +146,28 @@ def test_a_cpu_runs_the_emulation_and_an_explicit_kernel_request_is_refused():
     with pytest.raises(UserError, match="blockwise kernel") as info:
         fp8.choose_backend("scaled_mm", cpu)
     assert "fp8_backend = emulated" in info.value.fix
+
+
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "fsdp-bf16"])
+def test_grouped_experts_equal_one_fp8_gemm_per_expert_bit_for_bit(w_dtype):
+    """One quantisation pass for all experts (`fp8_grouped.py`) gives exactly what one
+    `Fp8Matmul` per expert gives: the same tiles (wgrad's aligned to each expert's first row),
+    blocks and chunk products, forward, dgrad and wgrad; an expert without rows gets zeros."""
+    sizes = [0, 1, 127, 128, 129, 3]
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(sum(sizes), 200, generator=g) ** 3
+    w = (torch.randn(len(sizes), 136, 200, generator=g) * 0.05).to(w_dtype)
+    upstream = torch.randn(sum(sizes), 136, generator=g)
+
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    yg = fp8_grouped.fp8_grouped_mm(xg, wg, sizes, "emulated")
+    (yg.float() * upstream).sum().backward()
+
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    chunks = xl.split(sizes)
+    yl = torch.cat([fp8.fp8_matmul(c, wl[e], "emulated") for e, c in enumerate(chunks) if len(c)])
+    (yl.float() * upstream).sum().backward()
+
+    assert torch.equal(yg, yl) and torch.equal(xg.grad, xl.grad)
+    assert wg.grad.dtype == w_dtype and torch.equal(wg.grad, wl.grad)
+    assert not wg.grad[0].any()
