@@ -11,7 +11,7 @@ data, so inside the block `.item()` and `.tolist()` answer 1 (True for bools); e
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -54,12 +54,15 @@ class _Scalars(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _tolist(original, recorded: "Recorded"):
+def _tolist(original, recorded: "Recorded", answer: "Answer | None"):
     @functools.wraps(original)
     def tolist(self: torch.Tensor):
         if not self.is_meta:
             return original(self)
         recorded.syncs.append("tolist")
+        given = answer(self) if answer is not None else None
+        if given is not None:
+            return given
         ones = torch.ones(self.shape, dtype=torch.int64)
         return ones.bool().tolist() if self.dtype == torch.bool else ones.tolist()
 
@@ -84,8 +87,15 @@ def _tensors(value: object) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
+# What a meta tensor's `.tolist()` answers, where ones would not do (split sizes must add up to
+# the rows they split); None: ones.
+Answer = Callable[[torch.Tensor], list | None]
+
+
 @contextlib.contextmanager
-def device_check(world_size: int = 2, rank: int = 0) -> Iterator[Recorded]:
+def device_check(
+    world_size: int = 2, rank: int = 0, answer: Answer | None = None
+) -> Iterator[Recorded]:
     """Inside: a fake process group of `world_size`, data-less scalars, and a record of every
     collective's tensor devices. Put the model and its inputs on `DEVICE`."""
     recorded = Recorded()
@@ -105,7 +115,7 @@ def device_check(world_size: int = 2, rank: int = 0) -> Iterator[Recorded]:
     for name, original in originals.items():
         setattr(dist, name, recording(name, original))
     tolist = torch.Tensor.tolist
-    torch.Tensor.tolist = _tolist(tolist, recorded)
+    torch.Tensor.tolist = _tolist(tolist, recorded, answer)
     try:
         with _Scalars(recorded):
             yield recorded

@@ -36,10 +36,12 @@ class LossScaler:
         if not self.enabled:
             return None
         grads = [p.grad for p in params if p.grad is not None]
-        torch._foreach_mul_(grads, factor / self.scale)
         if not grads:
             return torch.zeros((), dtype=torch.int32, device=device)
+        # On the local tensors: a foreach op refuses DTensors mixed with plain tensors (the
+        # experts under EP beside DDP's parameters), and to_local() shares their storage.
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        torch._foreach_mul_(local, factor / self.scale)
         return (~torch.stack([g.isfinite().all() for g in local]).all()).to(torch.int32)
 
     def update(self, finite: bool) -> None:
