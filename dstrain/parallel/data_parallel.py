@@ -40,6 +40,14 @@ from dstrain.errors import UserError
 from dstrain.model.transformer import Transformer
 
 
+def mixed_precision(param_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+    """FSDP2's policy: weights gathered in `param_dtype` (None: as stored), gradients reduced
+    and accumulated across micro-batches in fp32, as Megatron's and DeepSeek-V3's are (a bf16
+    weight's gradient, FP8's wgrad included, is rounded to bf16 once per micro-batch first:
+    `tests/unit/test_fp8_accumulation.py`)."""
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
 def apply_fsdp(
     model: Transformer,
     mesh: DeviceMesh,
@@ -51,7 +59,7 @@ def apply_fsdp(
 ) -> None:
     """FSDP2 per block, then the root. `mesh` is 1-D (shard) or 2-D (replicate, shard).
     `ignored` parameters (expert-parallel experts) stay as they are."""
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    policy = mixed_precision(param_dtype)
     # Pinned host memory serves copies to an accelerator; a CPU run keeps pageable memory (its
     # mesh is on the CPU even on a machine that has GPUs).
     pinned = mesh.device_type == "cuda"
@@ -82,7 +90,7 @@ def apply_fsdp_experts(
     efsdp, or (dp_replicate, efsdp)), giving 2-D (efsdp, ep) parameters as torchtitan does.
     Reduce-scatter averages their gradients over `mesh`; the trainer rescales them afterwards
     (`set_gradient_divide_factor` would need PREMUL_SUM, which gloo lacks)."""
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    policy = mixed_precision(param_dtype)
     # The experts' output is a view of the combine all-to-all's; FSDP2 warns that an in-place op
     # on it would skip its backward hook. The MoE only uses it out of place.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPExpertParallel")
