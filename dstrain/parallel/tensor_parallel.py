@@ -14,9 +14,9 @@ stays unaware of it. Every collective sits at an autograd boundary that DTensor 
         all-gather of the input gradient in backward.
     vocab-parallel embedding (rowwise):  rows of the table split; all-reduce in forward
         (reduce-scatter with SP), nothing in backward (all-gather with SP).
-    head:  colwise with Replicate output: all-gather of the logits over the vocab in forward,
-        a local slice of the logits' gradient in backward. No loss-parallel: the caller's loss
-        sees full logits.
+    head:  colwise with a Shard(-1) output (a DTensor, for the main head and every MTP depth):
+        no collective; the loss is vocab-parallel (`train/loss.py`: all-reduces of [B*S]
+        statistics), so no rank holds the whole [B, S, V] logits (DeepSeek-V3: 129,280 columns).
     SP, into attention / FFN / MoE:  all-gather over the sequence in forward, reduce-scatter of
         the gradient in backward (a local slice for MLA and MoE, whose plain modules leave every
         rank with the full gradient already).
@@ -37,7 +37,8 @@ Placements (tp ranks, "plain" = an ordinary replicated tensor that no collective
           Replicate DTensors on Shard(1) activations. Their weight gradients come out Partial
           (each rank's sequence shard), and DTensor would leave `.grad` Partial; a hook
           all-reduces them in backward (`_reduce_replicated_grads`).
-    embed Shard(0) (vocab-parallel); head Shard(0); RoPE tables: plain buffers.
+    embed Shard(0) (vocab-parallel); head Shard(0), its logits Shard(-1); RoPE tables: plain
+          buffers.
 
 With SP the residual stream between blocks is a DTensor Shard(1), so `h.size(1)` in the model is
 the global sequence length and the RoPE tables cover all positions. Multi-token prediction slices
@@ -121,7 +122,10 @@ def _ends_plan(model: Transformer, sp: bool, gather_early: bool) -> dict[str, Pa
     if model.norm is not None and seq_sharded:
         plan["norm"] = SequenceParallel()
     if model.head is not None:
-        plan["head"] = ColwiseParallel(input_layouts=layout, output_layouts=Replicate())
+        # Logits stay sharded over the vocabulary, a DTensor the loss reads as such.
+        plan["head"] = ColwiseParallel(
+            input_layouts=layout, output_layouts=Shard(-1), use_local_output=False
+        )
     return plan
 
 
@@ -246,7 +250,8 @@ def _to_replicate(grad: DTensor) -> DTensor:
 def _shard_residual_between_blocks(model: Transformer, tp_mesh: DeviceMesh) -> None:
     """SP with MTP: the first block slices the full embedding output to Shard(1) (all-gather in
     backward); the last block all-gathers its output (a local slice in backward). On a pipeline
-    stage, only the stage holding the embedding (head) slices (gathers)."""
+    stage, only the stage holding the embedding (head) slices (gathers); a last stage without
+    blocks (DeepSeek-V3's `pp_last_stage_less_layers`) gathers its input."""
     blocks = list(model.layers.values())
     if model.embed is not None:
         parallelize_module(
@@ -257,11 +262,21 @@ def _shard_residual_between_blocks(model: Transformer, tp_mesh: DeviceMesh) -> N
                 desired_input_layouts=(Shard(1), None, None),
             ),
         )
-    if model.head is not None:
+    if model.head is not None and blocks:
         parallelize_module(
             blocks[-1],
             tp_mesh,
             PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate()),
+        )
+    elif model.head is not None:  # a last stage of only the norm, head and MTP: gather its input
+        parallelize_module(
+            model,
+            tp_mesh,
+            PrepareModuleInput(
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Replicate(),),
+                use_local_output=True,
+            ),
         )
 
 

@@ -359,8 +359,9 @@ def comm_per_step(
     chunks that run in DualPipeV's overlapped pairs, `Layout.paired_share`) those chunks' expert
     traffic, `shared_forward_s` (the shared experts' forward, under `ep_overlap`) the other
     chunks' forward dispatch. `holds_head`: this rank holds the output head (the last
-    pipeline stage), whose logits are all-gathered over tp. Each axis's model, with its source,
-    is in its function below and in docs/planner.md.
+    pipeline stage), whose logits are all-gathered over tp unless the engine's loss is
+    vocab-parallel. Each axis's model, with its source, is in its function below and in
+    docs/planner.md.
     """
     m = layout.microbatches
     if m < 1:
@@ -410,11 +411,11 @@ def _tensor_parallel(ctx: _Ctx, args: ModelArgs, layers: int, holds_head: bool) 
     their gradients in backward; full recompute runs the forward's two again (6 instead of 4).
     Sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2) replaces each all-reduce by a
     reduce-scatter and an all-gather of the same size: twice the bytes by nccl-tests' count,
-    the same ring time. Without loss parallelism (dstrain's trainer) the head all-gathers the
-    [tokens, vocab] logits once per micro-batch and per MTP module; under it (Megatron-LM's
-    vocab-parallel cross-entropy) only the loss's two [tokens] statistics are all-reduced, which
-    is left out. All of it is exposed: every collective sits between two matmuls that need its
-    result."""
+    the same ring time. Without loss parallelism the head all-gathers the [tokens, vocab]
+    logits once per micro-batch and per MTP module; under it (Megatron-LM's vocab-parallel
+    cross-entropy, and dstrain's trainer's, `train/loss.py`) only the loss's [tokens]
+    statistics are all-reduced, which is left out. All of it is exposed: every collective sits
+    between two matmuls that need its result."""
     tp = ctx.layout.tp
     if tp == 1:
         return AxisComm(group_size=1)

@@ -32,10 +32,11 @@ class Engine:
 ENGINES = {
     e.name: e
     for e in (
-        # dstrain's trainer: the logits gathered over tp and an eager fp32 cross-entropy
-        # (`train/loss.py`, measured by the dry run); FP8 GEMMs keep their bf16 inputs and no
-        # E4M3 copy outlives a GEMM (`model/fp8.py`).
-        Engine("dstrain", False, None, None, None, 2.0, 0.0),
+        # dstrain's trainer: under TP the head's logits stay sharded over the vocabulary and
+        # the cross-entropy is vocab-parallel (`train/loss.py`; without TP an eager fp32 one,
+        # measured by the dry run); FP8 GEMMs keep their bf16 inputs and no E4M3 copy
+        # outlives a GEMM (`model/fp8.py`).
+        Engine("dstrain", True, None, None, None, 2.0, 0.0),
         # Megatron-LM, NeMo and Megatron-Bridge, and the forks of the table (Megatron-DeepSpeed,
         # metaseq, Zero Bubble's): vocab-parallel cross-entropy, which keeps an fp32 softmax of
         # its shard (4 bytes per logit) and writes the gradient into it, with the 16-bit logits

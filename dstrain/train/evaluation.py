@@ -21,7 +21,14 @@ from dstrain.data.loader import TokenDataset
 from dstrain.model.moe import Router
 from dstrain.parallel.pipeline import Pipeline
 from dstrain.parallel.pipeline_eval import forward_only
-from dstrain.train.loss import IGNORE_INDEX, depth_labels, documents_of, inputs_of, labels_of
+from dstrain.train.loss import (
+    IGNORE_INDEX,
+    ce_sum,
+    depth_labels,
+    documents_of,
+    inputs_of,
+    labels_of,
+)
 from dstrain.train.step import DataParallel, autocast, to_device
 
 
@@ -105,9 +112,8 @@ def _sums(model: torch.nn.Module, micro: list[torch.Tensor], eos: int | None) ->
 
 
 def _ce_and_count(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    ce = torch.nn.functional.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    # The training loss's own sum: vocab-parallel where TP leaves the logits a vocabulary shard.
+    ce = ce_sum(logits.float(), labels)
     count = (labels != IGNORE_INDEX).sum()
     return torch.stack([ce.double(), count.double()])
 

@@ -12,7 +12,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from dstrain.config.parallel_dims import ParallelDims
@@ -21,6 +20,7 @@ from dstrain.model.transformer import Transformer, build_model
 from dstrain.parallel.mesh import build_meshes
 from dstrain.parallel.moe_tokens import apply_token_split, reduce_split_grads
 from dstrain.parallel.tensor_parallel import apply_tp
+from dstrain.train.loss import ce_sum
 from tests.distributed.harness import worker_main
 from tests.unit.tiny import tiny_args
 
@@ -120,9 +120,10 @@ def lm_loss(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     out = model(inputs)
     logits, *mtp = out if isinstance(out, tuple) else (out,)
-    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    # The trainer's cross-entropy: under TP the logits are a vocabulary shard (a DTensor).
+    loss = ce_sum(logits, labels) / labels.numel()
     for k, mtp_logits in enumerate(mtp, start=1):
-        mtp_loss = F.cross_entropy(mtp_logits.flatten(0, 1), labels[:, k:].flatten())
+        mtp_loss = ce_sum(mtp_logits, labels[:, k:]) / labels[:, k:].numel()
         loss = loss + MTP_WEIGHT / len(mtp) * mtp_loss
     return loss
 
