@@ -107,6 +107,17 @@ def _print_rank(out: Any, r: dict[str, Any]) -> None:
     act = r["activation_peak_bytes"]
     shown = f"{act / GiB:.3f} GiB" if act is not None else "-"
     out.print(f"  activation peak {shown}; step {r['step']}", markup=False)
+    if r["loss_peak_bytes"] is not None:
+        out.print(
+            f"  of which the loss: {r['loss_peak_bytes'] / GiB:.3f} GiB (this rank's logits, "
+            "and the cross-entropy's peak over them)",
+            markup=False,
+        )
+    if r["recompute_flops_per_step"]:
+        out.print(
+            f"  recomputed in backward: {r['recompute_flops_per_step'] / 1e12:.1f} TFLOP per step",
+            markup=False,
+        )
     secs = ", ".join(f"{k} {v:.1f} s" for k, v in r["seconds"].items())
     out.print(f"  time: {secs}", markup=False)
 

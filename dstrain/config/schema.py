@@ -226,9 +226,9 @@ class TrainConfig(Section):
         "none",
         description="Recompute activations in backward: none; selective (keep every matmul's and "
         "the attention kernel's output, recompute norms, activations and elementwise ops, and "
-        "the routed experts: a few percent more compute; under the zbv and dualpipev schedules "
-        "attention and the FFN are checkpointed as whole modules); or full (keep block inputs, "
-        "recompute every block).",
+        "the routed experts: a few percent more compute, paid in both passes where zbv and "
+        "dualpipev split a backward into input- and weight-gradient passes); or full (keep "
+        "block inputs, recompute every block).",
     )
     compile: bool = Field(False, description="torch.compile each transformer block.")
     seed: int = Field(42, ge=0, description="Seed for weights, data order and dropout.")

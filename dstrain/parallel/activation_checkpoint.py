@@ -24,15 +24,22 @@ fp16 experts) their per-expert matmuls are kept. The MoE's count all-to-all and 
 recomputed with the routing (a host sync again).
 
 The schedules that split each backward into an input-gradient and a weight-gradient pass (zbv,
-dualpipev) run two backwards over one region, which torch's per-op policy does not allow ("only
-allowed to backward once on any region computed under selective activation checkpoint"); there
-`selective` checkpoints the attention and the FFN of each block as whole modules instead, the
-norms and residual adds between them kept: a whole forward again, for memory near full
-recompute's.
+dualpipev) run two autograd graph tasks over one region: torch recomputes the region once per
+graph task, and its per-op policy lets only the first replay the kept outputs ("only allowed to
+backward once on any region computed under selective activation checkpoint": torch 2.13's
+`_CachedTorchDispatchMode` marks each kept output consumed as it replays it). There the same
+policy runs with a cache that survives the first replay (`_two_backward_context`), so the
+weight-gradient pass replays the kept matmul and attention outputs too and recomputes what
+1F1B recomputes; the pipeline runs all the parameter groups of one weight-gradient pass under
+one `torch.utils.checkpoint.GraphExecGroup`, so that pass recomputes each region once, not once
+per group (`parallel/pipeline.py`). A split chunk thus recomputes its regions twice, once per
+pass. The kept outputs live until the region's graph is freed, after its weight pass: what
+1F1B keeps between forward and backward, no more.
 
 Uses torch.utils.checkpoint (non-reentrant), the wrapper torchtitan and FSDP2 compose with.
 """
 
+from collections import defaultdict
 from functools import partial
 
 import torch
@@ -72,18 +79,15 @@ KEPT_OPS = frozenset(
 def apply_ac(model: Transformer, *, mode: str, split_backward: bool = False) -> None:
     """Wrap `model`'s blocks (and MTP blocks) in place; mode is none, selective or full.
     `split_backward`: the pipeline schedule runs input- and weight-gradient backwards apart
-    (zbv, dualpipev), so `selective` checkpoints whole modules (module docstring)."""
+    (zbv, dualpipev), so `selective` keeps its cache for the second (module docstring)."""
     if mode == "none":
         return
-    context = {} if mode == "full" else {"context_fn": _selective_context}
+    context = {}
+    if mode == "selective":
+        context["context_fn"] = _two_backward_context if split_backward else _selective_context
     for parent in _block_parents(model):
         for name, block in parent.named_children():
-            if not isinstance(block, TransformerBlock):
-                continue
-            if mode == "selective" and split_backward:
-                block.attention = checkpoint_wrapper(block.attention, preserve_rng_state=False)
-                block.ffn = checkpoint_wrapper(block.ffn, preserve_rng_state=False)
-            else:
+            if isinstance(block, TransformerBlock):
                 wrapped = checkpoint_wrapper(block, preserve_rng_state=False, **context)
                 parent.register_module(name, wrapped)
 
@@ -106,6 +110,27 @@ def _up_projection(op: object, args: tuple) -> bool:
 
 
 _selective_context = partial(create_selective_checkpoint_contexts, _keep_costly)
+
+
+class _FirstWriteWins(dict):
+    """One op's entries in the selective cache (call index -> kept output, or the marker that
+    says recompute): an entry, once written, is never replaced."""
+
+    def __setitem__(self, key: object, value: object) -> None:
+        self.setdefault(key, value)
+
+
+def _two_backward_context() -> tuple[object, object]:
+    """`_selective_context` (torch's two dispatch modes, forward and recompute) for a region
+    that is backpropagated twice. torch has no option for it (`allow_cache_entry_mutation`
+    only lifts the check that a kept output was not modified in place), so the cache is ours,
+    relying on torch 2.13's private layout: both modes share `.storage`, op -> {call index ->
+    entry}; the forward writes each entry once, and each replay overwrites the entry it
+    returns with a "consumed" marker. A dict that keeps its first value makes every replay
+    return the kept output; the in-place-modification check still runs on each."""
+    caching, cached = _selective_context()
+    caching.storage = cached.storage = defaultdict(_FirstWriteWins)
+    return caching, cached
 
 
 def _block_parents(model: Transformer) -> list[nn.Module]:

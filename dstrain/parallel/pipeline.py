@@ -36,6 +36,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import GraphExecGroup
 
 from dstrain.config.parallel_dims import stage_trim
 from dstrain.config.schema import DstrainConfig
@@ -252,6 +253,8 @@ def build_pipeline(
             exit_code=1,
         ) from exc
     _quiet_metadata_inference(schedule, loss, union, stages)
+    for stage in stages:
+        _one_recompute_per_weight_pass(stage)
     if overlap_pairs(p.pp_overlap, device) and has_overlap_actions(schedule):
         register_overlap(schedule, device or torch.device("meta"))
     holders = [0] * num_stages
@@ -263,6 +266,22 @@ def build_pipeline(
     return Pipeline(
         schedule, stages, union, group, loss, tied, router_names, layers, holders, tp_mesh
     )
+
+
+def _one_recompute_per_weight_pass(stage: PipelineStage) -> None:
+    """Upstream's weight-gradient pass (zbv, dualpipev) calls `autograd.grad` once per group of
+    parameters, and non-reentrant checkpointing recomputes a region once per call (per graph
+    task): a block with ten linear layers would run its forward ten times more. Under one
+    `GraphExecGroup` (torch's API for disjoint backwards, pytorch#166536, made for zero-bubble
+    schedules) the calls share one recompute; they may, because the groups are disjoint
+    sub-graphs that never unpack one saved tensor twice."""
+    original = stage.backward_weight_one_chunk
+
+    def backward_weight_one_chunk(*args: object, **kwargs: object) -> object:
+        with GraphExecGroup():
+            return original(*args, **kwargs)
+
+    stage.backward_weight_one_chunk = backward_weight_one_chunk  # type: ignore[method-assign]
 
 
 def _mesh_by_names(meshes: Meshes) -> Callable[..., object]:

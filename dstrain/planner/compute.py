@@ -34,7 +34,9 @@ activation_checkpoint.py`), and an unfused attention's core, whose scores it dro
 et al. 2022, sec. 5: Megatron-LM's selective recompute); plus what the trainer's policy runs
 again whole (its routed experts, up-projections and FP8 GEMMs), or, for another engine,
 its `selective_matmuls` of all the matmuls (`engines.py`: torchtitan's per-op policy runs every
-other one again).
+other one again). A backward that zbv or dualpipev splits into input- and weight-gradient passes
+recomputes in each (torch recomputes once per autograd graph task), so the trainer pays the
+recompute twice on that share of its chunks (`Layout.split_recompute_share`).
 """
 
 from dataclasses import dataclass, replace
@@ -147,7 +149,7 @@ def stage_times(
         layout.moe_tp,
         layout.attention,
         layout.engine,
-        layout.module_checkpoints,
+        layout.split_recompute_share,
     )
     return _stage_times(args, key, cluster, shape, consts or ComputeConstants())
 
@@ -156,7 +158,7 @@ def stage_times(
 def _stage_times(
     args: ModelArgs, key: tuple, cluster: Cluster, shape: RankShape, consts: ComputeConstants
 ) -> StageTimes:
-    tp, ep, cp, mb, seq, recompute, precision, sp, moe_tp, attention, engine, modules = key
+    tp, ep, cp, mb, seq, recompute, precision, sp, moe_tp, attention, engine, twice = key
     layout = Layout(
         dp=1,
         tp=tp,
@@ -184,10 +186,9 @@ def _stage_times(
     shared = shape.moe_layers * _swiglu(args, chip, tokens, width, layout.tp) if width else _Pass()
     share = layout.traits.selective_matmuls
     selective = total.cheap + (total.heavy if share is None else share * total.matmul)
-    if modules:  # the trainer checkpoints attention and the FFN whole (`Layout.module_checkpoints`)
-        selective = total.forward
     recomputed = {"none": 0.0, "selective": selective, "full": total.forward}
-    backward = total.backward + recomputed[layout.recompute]
+    # split backwards recompute in both passes (`Layout.split_recompute_share`)
+    backward = total.backward + (1 + twice) * recomputed[layout.recompute]
     return StageTimes(total.forward, backward, total.weight, shared.forward)
 
 
@@ -337,7 +338,9 @@ def _moe(args: ModelArgs, layout: Layout, chip: _Chip, tokens: float) -> _Pass:
     """Router, shared experts (tp-split) and this rank's routed experts: the rank routes its
     share of the tokens (1 / tp of them under moe_tp = split_tokens, all under repeat) and
     receives about as many x top-k routed copies (balanced), spread over its E / ep experts,
-    which run as grouped GEMMs."""
+    which run as grouped GEMMs; dstrain's FP8 experts as one blockwise GEMM each
+    (`model/fp8_grouped.py`: torch has no grouped blockwise kernel), each with its own fill
+    and kernel floor."""
     routed_tokens = tokens / layout.routed_split
     router = chip.gemm(routed_tokens, args.dim, args.num_routed_experts, recipe=False)
     width = args.num_shared_experts * args.moe_inter_dim
@@ -345,8 +348,9 @@ def _moe(args: ModelArgs, layout: Layout, chip: _Chip, tokens: float) -> _Pass:
     local = args.num_routed_experts / layout.ep
     per_expert = routed_tokens * args.num_activated_experts / local
     inter = args.moe_inter_dim
-    ups = chip.gemm(per_expert, args.dim, inter, 2 * local, grouped=True)
-    down = chip.gemm(per_expert, inter, args.dim, local, grouped=True)
+    grouped = not (chip.fp8 and layout.engine == "dstrain")
+    ups = chip.gemm(per_expert, args.dim, inter, 2 * local, grouped=grouped)
+    down = chip.gemm(per_expert, inter, args.dim, local, grouped=grouped)
     routed = ups + down
     return router + shared + replace(routed, heavy=routed.forward)
 

@@ -49,16 +49,20 @@ class Layout:
     engine: str = "dstrain"
 
     @property
-    def module_checkpoints(self) -> bool:
-        """dstrain's selective recompute checkpoints attention and the FFN as whole modules
-        under the schedules that split each backward into input- and weight-gradient passes
-        (zbv, dualpipev: torch's per-op policy allows one backward per region)."""
-        return (
-            self.recompute == "selective"
-            and self.engine == "dstrain"
-            and self.pp > 1
-            and self.schedule in ("zbv", "dualpipev")
-        )
+    def split_recompute_share(self) -> float:
+        """Share of this rank's backward chunks whose checkpointed regions dstrain's trainer
+        recomputes twice: the schedules that split a backward into input- and weight-gradient
+        passes run two autograd graph tasks, and torch recomputes a region once per graph task
+        (`parallel/activation_checkpoint.py`; the per-op policy is kept in both). Every chunk
+        under zbv; under dualpipev, 2pp - 1 - r of pipeline rank r's 2m (upstream's order, the
+        rest run one full backward), the first rank's taken. Other engines recompute once."""
+        if self.recompute == "none" or self.engine != "dstrain" or self.pp == 1:
+            return 0.0
+        if self.schedule == "zbv":
+            return 1.0
+        if self.schedule == "dualpipev":
+            return min(1.0, (2 * self.pp - 1) / (2 * self.microbatches))
+        return 0.0
 
     @property
     def traits(self) -> Engine:

@@ -52,9 +52,10 @@ log-softmax output its backward keeps (4) and, for 16-bit logits, a second 16-bi
 while one head's loss runs backward, the incoming gradient and the log-softmax's input gradient
 (4 + 4) and, in 16 bits, that gradient cast back (2). The dry run measures these on dstrain's
 own step (`tests/unit/test_dry_run.py`: 16.8 bytes per logit with one head, 24.8 with an MTP
-module, where this gives 18 and 26). For the main head and each MTP module, over the whole
-vocabulary (dstrain's trainer all-gathers the logits over tp), or over this rank's shard under
-an engine's loss parallelism (Megatron-LM's vocab-parallel cross-entropy), with the MTP blocks.
+module, where this gives 18 and 26). For the main head and each MTP module, over this rank's
+shard of the vocabulary under an engine's loss parallelism (the vocab-parallel cross-entropy of
+Megatron-LM and of dstrain's trainer under TP), else over the whole vocabulary
+(the logits all-gathered over tp), with the MTP blocks.
 
 Overhead (`overhead.py`, each term from what it measurably is): the CUDA context and NCCL's
 buffers for the communicators the layout opens (outside PyTorch's allocator), cuBLAS's
@@ -314,7 +315,6 @@ def activation_bytes(
         layout.attention,
         layout.precision,
         layout.engine,
-        layout.module_checkpoints,
     )
     cache_key = (id(args), key)
     if cache_key not in _ACTIVATIONS:
@@ -329,9 +329,8 @@ _MODELS: dict[int, ModelArgs] = {}
 
 def _activation_bytes(args: ModelArgs, layout: Layout, shape: RankShape, floor: bool) -> float:
     tokens = layout.micro_batch * layout.seq_len / layout.cp
-    recompute = "modules" if layout.module_checkpoints else layout.recompute
     dense_layer, moe_layer = (
-        _layer_bytes(args, layout, recompute, moe, floor=floor) for moe in (False, True)
+        _layer_bytes(args, layout, layout.recompute, moe, floor=floor) for moe in (False, True)
     )
     per_microbatch = tokens * (shape.dense_layers * dense_layer + shape.moe_layers * moe_layer)
     if shape.has_embedding:
@@ -443,8 +442,6 @@ def _cached_layer_bytes(
     hidden = 2 * args.dim / (tp if sp else 1)  # one hidden-size tensor
     if recompute == "full":
         return hidden
-    if recompute == "modules":  # the block input, and the inputs of attention and of the FFN
-        return 3 * hidden
     if recompute == "selective":
         # At the floor what full recompute keeps: no selective policy keeps less, and engines'
         # policies differ (DeepSeek-V3 recomputes its up-projections and caches FP8 inputs)
@@ -582,7 +579,9 @@ def _head_bytes_per_token(args: ModelArgs, layout: Layout) -> float:
     """The eager cross-entropy's peak over the vocabulary it sees (the whole of it, gathered over
     tp, unless the engine splits it; module docstring): each
     head's logits and its log-softmax output, and one backward's two fp32 gradients; plus each
-    MTP module's block."""
+    MTP module's block. Under TP dstrain's vocab-parallel loss holds less (the logits, then one
+    fp32 softmax: ~16 bytes per local logit with two heads, where this gives 26), but its step
+    then peaks in the MTP block's backward, which this bound still covers (`test_dry_run.py`)."""
     heads = 1 + args.num_mtp_modules
     traits = layout.traits
     if traits.loss_held is not None and traits.loss_transient is not None:

@@ -9,10 +9,15 @@ What it reports per rank (`RankReport`): the mesh coordinates and the size of ev
 the stages and layers held; parameters, gradients and optimizer state in bytes, dense and expert
 (`dstrain/parallel/state_bytes.py`); the peak while building (the local shards, buffers and the
 initialiser's largest draw: the old path held the whole fp32 model, `full_model_bytes`); and the
-activation peak of the step where one ran. Under PP the step runs each of the rank's stages on one
-micro-batch (the saved activations it holds until that micro-batch's backward, and the
-transient of the backward itself), and the schedule's order on this rank (upstream's, via the
-simulator) says how many of each it holds at once.
+activation peak of the step where one ran, and within it the loss's own peak (`loss_peak_bytes`:
+the logits this rank holds and what the cross-entropy of every head allocates on them, forward
+and backward; under TP a vocabulary shard, `train/loss.py`). Under PP the step runs each of the
+rank's stages on one micro-batch (the saved activations it holds until that micro-batch's
+backward, and the transient of the backward itself), and the schedule's order on this rank
+(upstream's, via the simulator) says how many of each it holds at once.
+`recompute_flops_per_step`: the FLOPs this rank runs again in backward per step under
+activation checkpointing (`_RecomputeFlops`), each micro-batch's backward counted once per pass
+that recomputes it (two where zbv or dualpipev split it into input- and weight-gradient passes).
 """
 
 import contextlib
@@ -27,6 +32,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.utils.flop_counter import FlopCounterMode
 
 from dstrain.config.schema import DstrainConfig
 from dstrain.model.init import BLOCK_ELEMENTS
@@ -59,6 +66,8 @@ class RankReport:
     build_peak_bytes: float
     full_model_bytes: float  # the old path: every rank built the whole fp32 model
     activation_peak_bytes: float | None = None
+    loss_peak_bytes: float | None = None  # the logits held and the loss's peak over them (rank)
+    recompute_flops_per_step: float | None = None  # run again in backward (module docstring)
     step: str = "not run"
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -77,7 +86,12 @@ def dry_run_rank(config: DstrainConfig, world_size: int, rank: int, step: bool) 
         report = _report(config, runtime, rank, world_size)
         report.seconds["build"] = built - began
         if step:
-            report.activation_peak_bytes, report.step = _step(config, runtime)
+            (
+                report.activation_peak_bytes,
+                report.step,
+                report.loss_peak_bytes,
+                report.recompute_flops_per_step,
+            ) = _step(config, runtime)
             report.seconds["step"] = time.perf_counter() - built
     finally:
         dist.destroy_process_group()
@@ -159,12 +173,15 @@ def _build_peak(model: torch.nn.Module) -> float:
 # ---- the step under fake tensors -------------------------------------------------------------
 
 
-def _step(config: DstrainConfig, runtime: Runtime) -> tuple[float | None, str]:
+def _step(
+    config: DstrainConfig, runtime: Runtime
+) -> tuple[float | None, str, float | None, float | None]:
     """One micro-batch through this rank's model (or each of its stages) under fake tensors;
-    returns (activation peak bytes, what ran)."""
+    returns (activation peak bytes, what ran, the loss's peak bytes: None without a head, the
+    FLOPs recomputed per step)."""
     grouped = _grouped_mm_needs_bf16(config, runtime)
     if grouped:
-        return None, f"not run: {grouped}"
+        return None, f"not run: {grouped}", None, None
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     stages = [stage.submod for stage in runtime.pipeline.stages] if runtime.pipeline else []
     with fake:
@@ -210,20 +227,23 @@ def _tokens(config: DstrainConfig, runtime: Runtime) -> torch.Tensor:
 
 def _whole_model_step(
     config: DstrainConfig, runtime: Runtime, fake: FakeTensorMode
-) -> tuple[float, str]:
-    tracker = _tracker(runtime.model, runtime.optimizer)
+) -> tuple[float, str, float, float]:
+    tracker, recompute = _tracker(runtime.model, runtime.optimizer), _RecomputeFlops()
     with fake:
-        with tracker:
+        with tracker, recompute:
             tokens = _tokens(config, runtime)
             with autocast(config.train.precision, torch.device("cpu")):
                 outputs = runtime.model(tokens)
             _loss(outputs, tokens, runtime).backward()
+        loss_peak = _loss_peak(outputs, tokens, runtime)
         # Outside the tracker: its peak is the moment of the largest total, and the first
         # step's new Adam moments would make that a moment with no activations left.
         runtime.optimizer.step()
         runtime.optimizer.zero_grad(set_to_none=True)
     peak = tracker.get_tracker_snapshot("peak")
-    return _activations(peak), "ran: forward, backward and optimizer step of one micro-batch"
+    ran = "ran: forward, backward and optimizer step of one micro-batch"
+    recomputed = recompute.get_total_flops() * runtime.batch.grad_accum_steps
+    return _activations(peak), ran, loss_peak, float(recomputed)
 
 
 def _loss(outputs: object, tokens: torch.Tensor, runtime: Runtime) -> torch.Tensor:
@@ -233,6 +253,33 @@ def _loss(outputs: object, tokens: torch.Tensor, runtime: Runtime) -> torch.Tens
     counts = TokenCounts(tuple(tokens.numel() for _ in range(depths)))
     total, _ = loss_terms(outputs, tokens, counts, runtime.model_args.mtp_loss_weight)
     return total
+
+
+def _loss_peak(outputs: object, tokens: torch.Tensor, runtime: Runtime) -> float:
+    """The loss's own peak on this rank: the logits it holds (every head's, main and MTP) and
+    the most the cross-entropy's forward and backward allocate on top of them, its gradient
+    of the logits included. Measured on detached copies, apart from the step's tracker."""
+    heads = outputs if isinstance(outputs, tuple) else (outputs,)
+    leaves = tuple(_detached(h) for h in heads)
+    held = sum(_local_bytes(h) for h in leaves)
+    tracker = MemTracker()
+    with tracker:
+        _loss(leaves if isinstance(outputs, tuple) else leaves[0], tokens, runtime).backward()
+    return held + _activations(tracker.get_tracker_snapshot("peak"))
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """A copy of a head's output that starts a graph. A DTensor's is built on a plain leaf: under
+    fake tensors the gradient of a DTensor leaf is counted at more than twice its real size."""
+    if isinstance(t, DTensor):
+        local = t.to_local().detach().requires_grad_()
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False)
+    return t.detach().requires_grad_()
+
+
+def _local_bytes(t: torch.Tensor) -> float:
+    local = t.to_local() if isinstance(t, DTensor) else t  # a DTensor's own shard
+    return float(local.numel() * local.element_size())
 
 
 def _tracker(module: torch.nn.Module, optimizer: object = None) -> MemTracker:
@@ -259,18 +306,24 @@ def _activations(snapshot: dict) -> float:
 
 def _pipeline_step(
     config: DstrainConfig, runtime: Runtime, fake: FakeTensorMode
-) -> tuple[float, str]:
+) -> tuple[float, str, float | None, float]:
     """Each stage on one micro-batch: the activations it holds from forward to backward, and
     the peak of running one; then the schedule's order on this rank."""
-    held, transient = {}, {}
+    held, transient, losses, recomputed, first = {}, {}, [], {}, set()
     for stage in runtime.pipeline.stages:
-        held[stage.stage_index], transient[stage.stage_index] = _stage_step(
+        i = stage.stage_index
+        held[i], transient[i], loss, recomputed[i] = _stage_step(
             config, runtime, stage.submod, fake
         )
+        losses += [] if loss is None else [loss]
+        first |= {i} if stage.is_first else set()
     p = config.parallel
     v = 2 if p.pp_schedule in V_SHAPED else p.num_virtual_stages
     pp_rank = runtime.meshes["pp"].get_local_rank()
     order = schedule_actions(p.pp_schedule, p.pp, runtime.batch.grad_accum_steps, v)[pp_rank]
+    # Each backward pass recomputes its stage's regions; on the first stage upstream's
+    # input-gradient pass has no input gradient to compute and runs nothing (its W, all of it).
+    passes = [a.stage for a in order if a.kind in "BW" or (a.kind == "I" and a.stage not in first)]
     holding = peak = 0.0
     for action in order:
         if action.kind == "F":
@@ -280,19 +333,25 @@ def _pipeline_step(
             peak = max(peak, holding + transient[action.stage])
             holding -= held[action.stage]
     stages = ", ".join(str(s) for s in held)
-    return peak, (
-        f"ran: forward and backward of one micro-batch on stages {stages}; in flight per "
-        f"upstream's {p.pp_schedule} order with {runtime.batch.grad_accum_steps} micro-batches"
+    return (
+        peak,
+        (
+            f"ran: forward and backward of one micro-batch on stages {stages}; in flight per "
+            f"upstream's {p.pp_schedule} order with {runtime.batch.grad_accum_steps} micro-batches"
+        ),
+        max(losses, default=None),
+        float(sum(recomputed[s] for s in passes)),
     )
 
 
 def _stage_step(
     config: DstrainConfig, runtime: Runtime, module: torch.nn.Module, fake: FakeTensorMode
-) -> tuple[float, float]:
-    """(bytes saved for backward after forward, peak extra while running it) of one stage."""
+) -> tuple[float, float, float | None, float]:
+    """(bytes saved for backward after forward, peak extra while running it, the loss's peak:
+    None without the head, FLOPs recomputed by one full backward) of one stage."""
     chunk = _chunk(module)
-    tracker = _tracker(module)
-    with fake, tracker:
+    tracker, recompute = _tracker(module), _RecomputeFlops()
+    with fake, tracker, recompute:
         tokens = _tokens(config, runtime)
         if chunk.embed is not None:
             inputs = tokens
@@ -309,4 +368,37 @@ def _stage_step(
         else:
             outputs.backward(torch.ones_like(outputs))
     peak = _activations(tracker.get_tracker_snapshot("peak"))
-    return after_forward, max(0.0, peak - after_forward)
+    loss_peak = None
+    if chunk.head is not None:
+        with fake:
+            loss_peak = _loss_peak(outputs, tokens, runtime)
+    return after_forward, max(0.0, peak - after_forward), loss_peak, recompute.get_total_flops()
+
+
+class _RecomputeFlops(FlopCounterMode):
+    """torch's FLOP counter, counting only the forward that activation checkpointing runs again
+    in backward: ops run with grad mode on inside an autograd graph task (the engine runs the
+    backward's own ops with grad mode off; non-reentrant checkpointing turns it on to
+    recompute). Outputs the selective policy keeps are replayed, not run, so not counted."""
+
+    def __init__(self) -> None:
+        # torch 2.13 has no formula for the routed experts' grouped GEMM
+        grouped = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+        super().__init__(display=False, custom_mapping=grouped)
+
+    def _count_flops(self, func_packet: object, out: object, args: tuple, kwargs: dict) -> object:
+        # torch 2.13's private id of the running graph task (-1 outside backward), the one
+        # torch.utils.checkpoint keys its recomputation by
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
+            return super()._count_flops(func_packet, out, args, kwargs)
+        return out
+
+
+def _grouped_mm_flops(
+    a_shape: tuple, b_shape: tuple, *args: object, out_shape: tuple, **kwargs: object
+) -> int:
+    """[T, K] x [G, K, N] (or [G, M, K] x [G, K, N]) -> 2 x output x K; [K, T] x [T, N] with
+    offsets (the weight gradient, [G, K, N]) -> 2 K T N."""
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * math.prod(out_shape) * a_shape[-1]

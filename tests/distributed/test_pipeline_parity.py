@@ -32,8 +32,8 @@ TWO_RANKS = {
     "pp2_zbv": ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.num_virtual_stages=2"],
     "pp2_dualpipev": [*DUALPIPEV, "parallel.pp_overlap=true"],  # auto is off on CPU
     "pp2_dualpipev_sequential": [*DUALPIPEV, "parallel.pp_overlap=false"],
-    # selective recompute per op on a single backward, as whole modules where the schedule
-    # splits it into input- and weight-gradient passes
+    # selective recompute per op, on a single backward and where the schedule splits it into
+    # input- and weight-gradient passes (the kept outputs replayed in both)
     "pp2_1f1b_selective": ["parallel.pp=2", "train.activation_checkpoint=selective"],
     "pp2_zbv_selective": [
         "parallel.pp=2",

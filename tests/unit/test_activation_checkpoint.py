@@ -86,10 +86,40 @@ def test_an_fp8_gemm_keeps_none_of_its_intermediates_and_the_step_is_unchanged(m
 
 
 @pytest.mark.parametrize("split_backward", [False, True])
-def test_split_backward_schedules_checkpoint_modules_instead(split_backward):
+def test_split_backward_schedules_keep_the_per_op_policy(split_backward):
     model = build_model(tiny_args(), device="meta")
     apply_ac(model, mode="selective", split_backward=split_backward)
     block = model.layers["1"]
-    wrapped_modules = type(block.attention).__name__ == "CheckpointWrapper"
-    assert wrapped_modules == split_backward
-    assert (type(block).__name__ == "CheckpointWrapper") != split_backward
+    assert type(block).__name__ == "CheckpointWrapper"  # the whole block, as under 1F1B
+    assert type(block._checkpoint_wrapped_module.attention).__name__ != "CheckpointWrapper"
+    context_fn = block.checkpoint_fn.keywords["context_fn"]
+    expected = "_two_backward_context" if split_backward else "_selective_context"
+    assert context_fn is getattr(activation_checkpoint, expected)
+
+
+def test_the_two_backward_cache_replays_a_kept_output_twice():
+    """torch's own cache lets a region's kept outputs be replayed once; this one, twice, and it
+    still refuses a kept output modified in place."""
+    x = torch.randn(4, 16, requires_grad=True)
+    w = torch.randn(16, 16, requires_grad=True)
+    torch_cache, two_backward = (
+        activation_checkpoint._selective_context,
+        activation_checkpoint._two_backward_context,
+    )
+    for context, replays in (torch_cache, 1), (two_backward, 2):
+        y = torch.utils.checkpoint.checkpoint(
+            lambda x: (x @ w).sin(), x, use_reentrant=False, context_fn=context
+        )
+        torch.autograd.grad(y.sum(), [x], retain_graph=True)  # one graph task
+        if replays == 2:
+            (dw,) = torch.autograd.grad(y.sum(), [w])  # another
+            torch.testing.assert_close(dw, torch.autograd.grad((x @ w).sin().sum(), [w])[0])
+        else:
+            with pytest.raises(RuntimeError, match="backward an extra time"):
+                torch.autograd.grad(y.sum(), [w])
+    caching, cached = activation_checkpoint._two_backward_context()
+    with caching:
+        kept = x.detach() @ w.detach()
+    kept.add_(1)
+    with cached, pytest.raises(RuntimeError, match="mutated"):
+        x.detach() @ w.detach()

@@ -204,16 +204,16 @@ def test_check_plan_and_runtime_agree_on_what_is_legal(world, sets):
     [
         ("zero1", [], 0.10),  # measured: estimate 1.03x the dry run's peak
         ("dp8_ep4_zero1", [], 0.10),  # 1.02x
-        # 1.03x: the logits all-gathered over tp, the loss over the whole vocabulary
+        # 1.08x: the loss vocab-parallel over tp, its peak moved to the MTP block's backward
         ("dp4_tp2_zero1", [], 0.10),
         # 1.15x and 1.17x: in this step the loss's backward holds ~4-8 bytes per logit less
         # when the blocks are checkpointed (selectively or whole) than without it
         ("zero1", ["train.activation_checkpoint=selective"], 0.20),
         ("dp8_ep4_zero1", ["train.activation_checkpoint=selective"], 0.20),
         ("zero1", ["train.activation_checkpoint=full"], 0.25),
-        # 1.04x: under DualPipeV, whose split backward the per-op policy does not allow, the
-        # trainer checkpoints attention and the FFN as modules
-        ("pp2_dp2_ep2_zero1_dualpipev", ["train.activation_checkpoint=selective"], 0.10),
+        # 1.14x: under DualPipeV's split backward the same per-op policy as above (1.04x when
+        # the trainer checkpointed attention and the FFN there as whole modules)
+        ("pp2_dp2_ep2_zero1_dualpipev", ["train.activation_checkpoint=selective"], 0.20),
     ],
 )
 def test_the_activation_estimate_brackets_the_dry_runs_peak(name, extra, within):

@@ -78,14 +78,15 @@ def test_deepseek_v3_throughput_against_the_report():
     """Published: 2.664M H800 GPU hours for 14.8T tokens of pre-training (report, Table 1),
     i.e. 1,543 tokens/s per GPU. DeepSeek's selective recompute (norms and up-projections)
     keeps its matmuls' outputs, as Megatron-LM's does: predicted as that engine runs it, the
-    planner must land near. dstrain's own trainer checkpoints whole modules under DualPipeV
-    (its per-op policy allows one backward per region), a forward more per step."""
+    planner must land near. dstrain's own trainer keeps them too under DualPipeV, but
+    recomputes twice where the schedule splits a backward into input- and weight-gradient
+    passes (one recompute per autograd graph task): within 5 % of DeepSeek's run."""
     published = 14.8e12 / (2.664e6 * 3600)
     as_deepseek = V3_LAYOUT.with_(engine="megatron")
     predicted = estimate(V3, as_deepseek, H800_2048).tokens_per_s / 2048
     assert predicted == pytest.approx(published, rel=0.15)
     ours = estimate(V3, V3_LAYOUT, H800_2048).tokens_per_s / 2048
-    assert 0.6 * predicted < ours < predicted
+    assert 0.95 * predicted < ours < predicted
 
 
 def test_more_sharding_means_less_memory():
