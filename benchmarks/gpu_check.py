@@ -1,26 +1,31 @@
 """The prepared GPU check: what a machine with CUDA GPUs can confirm in about 5 minutes that a
-CPU-only machine cannot, in one summary table.
+CPU-only machine cannot, in one summary table headed by torch, its CUDA, the GPU and the driver.
 
 1. `dstrain doctor --json` (versions, GPUs, topology, NCCL env).
 2. One GPU: a bf16 run of a DeepSeek-style proxy of about 1B parameters (MLA, DeepSeekMoE with
    shared and routed experts, MTP), 30 steps: tokens/s, MFU, peak memory.
-3. Two or more GPUs: `dstrain bench comm` (NCCL bus bandwidth), then NCCL runs of the layouts the
+3. The kernels, each against an independent reference on the same inputs (`gpu_check_kernels`):
+   cuBLASLt's blockwise FP8 `scaled_mm` through the training code itself (`fp8_matmul` and the
+   routed experts' `fp8_grouped_matmul`, forward and backward, whose wgrad hands the kernel
+   transposed operands) against the exact emulation; bf16 `grouped_mm` (the experts' kernel)
+   against a per-expert loop in fp32; FlexAttention's BlockMask against SDPA with the boolean
+   mask. Then the FP8 GEMM's speed against bf16 and a short `train.precision=fp8` run on it.
+4. Two or more GPUs: `dstrain bench comm` (NCCL bus bandwidth), then NCCL runs of the layouts the
    GPU count fits (dp2 ZeRO-1, dp2 ZeRO-2, tp2, dp2 x ep2, pp2 1F1B; 4 GPUs add pp2 x dp2 x ep2
    DualPipeV ZeRO-1), each checked with `dstrain loss-compare` against one GPU, in fp32 with TF32
-   off (bitwise-comparable numerics), and one bf16 dp2 x ep2 run.
-4. The metrics of those runs: the CUDA-event comm spans (`comm/*`) and the GPU memory keys
-   (`memory/peak_allocated_mb`, `memory/peak_reserved_mb`) present in metrics.jsonl.
-5. Document masking's CUDA kernel: FlexAttention with a BlockMask against SDPA with the boolean
-   mask (logits and gradients), and a short masked training run.
-6. FP8: cuBLASLt's blockwise `scaled_mm` (1x128 x 128x128 and 1x128 x 1x128, SM90) against the
-   plain-torch emulation on the same quantised operands, shapes that 128 does and does not
-   divide; its speed against a bf16 matmul; and a short fp8 training run (`train.precision=fp8`)
-   with its backend. On another GPU the kernel check reports why it cannot run.
+   off (bitwise-comparable numerics), and one bf16 dp2 x ep2 run; the CUDA-event comm spans
+   (`comm/*`) and GPU memory keys in their metrics.jsonl.
+
+A kernel row says "ok" only where its kernel ran and agreed with its reference. Where the kernel
+cannot run (a CPU, another GPU, a torch built with too old a CUDA) the row says "skip" and why:
+it is never compared with the fallback the training would take, which is its own reference.
 
     python benchmarks/gpu_check.py [--out DIR] [--steps 30]
-    python benchmarks/gpu_check.py --smoke      # the same plumbing on CPU, tiny, ~2 minutes
+    python benchmarks/gpu_check.py --kernels    # step 3 alone, about a minute on one GPU
+    python benchmarks/gpu_check.py --smoke      # the same plumbing on CPU, tiny, ~1 minute
 
-Exits 1 when a check fails. `scripts/gpu-check.sh` runs it after installing the package.
+Writes DIR/gpu_check.json (the header and every row). Exits 1 when a row fails.
+`scripts/gpu-check.sh` runs it with the machine's own CUDA build of torch.
 """
 
 import argparse
@@ -28,9 +33,21 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing dstrain
+
+from gpu_check_kernels import (  # noqa: E402
+    FLEX,
+    FP8,
+    FP8_KERNEL,
+    FP8_REFERENCE,
+    check_kernels,
+    flex_reason,
+)
+
 PROXY_1B = [  # ~1.0B parameters, ~0.3B activated
     "model.flavor=debug",
     "model.dim=1536",
@@ -68,6 +85,7 @@ LAYOUTS_4 = {
         "parallel.num_virtual_stages=2",
     ]
 }
+SMOKE_LAYOUTS = ("dp2_zero1", "pp2_1f1b")  # --smoke runs these; the others only `dstrain check`
 GPU_KEYS = ("memory/peak_allocated_mb", "memory/peak_reserved_mb")
 
 
@@ -86,22 +104,82 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-class Table:
-    def __init__(self) -> None:
-        self.rows: list[tuple[str, str, str]] = []
-        self.failed = False
+def platform_facts() -> dict[str, str]:
+    """What the table's numbers were measured on: torch, the CUDA it was built with
+    (`torch.version.cuda`), the GPU, its compute capability and the driver; "none" where absent."""
+    import torch
 
-    def add(self, check: str, ok: bool | None, detail: str) -> None:
-        verdict = "ok" if ok else ("FAIL" if ok is False else "skip")
-        self.failed |= ok is False
-        self.rows.append((check, verdict, detail))
-        print(f"  {verdict:4} {check}: {detail}", flush=True)
+    from dstrain.doctor.gpus import probe
+
+    facts = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "none",
+        "gpu": "none",
+        "capability": "none",
+        "driver": probe().driver or "none",  # NVML, else nvidia-smi
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        facts["gpu"] = f"{torch.cuda.device_count()} x {props.name}"
+        facts["capability"] = f"{props.major}.{props.minor}"
+    return facts
+
+
+@dataclass
+class Row:
+    check: str
+    verdict: str  # "ok", "FAIL", "skip" (did not run here, proves nothing) or "info"
+    detail: str
+    kernel: str | None = None  # the kernel a kernel row checks: "ok" only where it ran
+
+
+class Table:
+    def __init__(self, facts: dict[str, str]) -> None:
+        self.facts = facts
+        self.rows: list[Row] = []
+        self.began = time.perf_counter()
+
+    def add(self, check: str, ok: bool, detail: str, kernel: str | None = None) -> None:
+        self._append(Row(check, "ok" if ok else "FAIL", detail, kernel))
+
+    def skip(self, check: str, reason: str, kernel: str | None = None) -> None:
+        self._append(Row(check, "skip", reason, kernel))
+
+    def info(self, check: str, detail: str) -> None:
+        self._append(Row(check, "info", detail))
+
+    def _append(self, row: Row) -> None:
+        self.rows.append(row)
+        took = time.perf_counter() - self.began
+        print(f"  [{took:4.0f} s] {row.verdict:4} {row.check}: {row.detail}", flush=True)
+
+    @property
+    def failed(self) -> bool:
+        return any(r.verdict == "FAIL" for r in self.rows)
+
+    def header(self) -> str:
+        f = self.facts
+        return (
+            f"torch {f['torch']}, CUDA {f['cuda']}, GPU {f['gpu']} "
+            f"(capability {f['capability']}), driver {f['driver']}"
+        )
 
     def show(self) -> None:
-        width = max(len(r[0]) for r in self.rows)
+        width = max(len(r.check) for r in self.rows)
         print("\n" + "=" * 100)
-        for check, verdict, detail in self.rows:
-            print(f"{check:<{width}}  {verdict:4}  {detail}")
+        print(self.header())
+        for r in self.rows:
+            print(f"{r.check:<{width}}  {r.verdict:4}  {r.detail}")
+        counts = {v: sum(r.verdict == v for r in self.rows) for v in ("ok", "FAIL", "skip")}
+        print(", ".join(f"{n} {v}" for v, n in counts.items()))
+        for verdict, meaning in (("skip", "did not run here, proved nothing"), ("FAIL", "failed")):
+            names = [r.check for r in self.rows if r.verdict == verdict]
+            if names:
+                print(f"{verdict} ({meaning}): " + "; ".join(names))
+
+    def write_json(self, path: Path) -> None:
+        rows = [asdict(r) for r in self.rows]
+        path.write_text(json.dumps({"platform": self.facts, "rows": rows}, indent=1) + "\n")
 
 
 def summary(run: Path) -> dict:
@@ -130,12 +208,12 @@ def check_doctor(table: Table) -> None:
 def check_proxy(table: Table, out: Path, steps: int, smoke: bool) -> None:
     model = ["model.flavor=debug"] if smoke else PROXY_1B
     precision = "fp32" if smoke else "bf16"
-    common = [
-        f"run.root={out}",
-        f"train.steps={steps}",
-        "train.seq_len=128" if smoke else "train.seq_len=2048",
-    ]
-    common += ["train.micro_batch_size=4", "metrics.log_interval=5", "checkpoint.enable=false"]
+    common = [f"run.root={out}", f"train.steps={steps}", "train.micro_batch_size=4"]
+    common += ["metrics.log_interval=5", "checkpoint.enable=false"]
+    if smoke:
+        common += ["train.seq_len=64", "train.global_batch_size=4"]
+    else:
+        common.append("train.seq_len=2048")
     began = time.perf_counter()
     done = dstrain(
         "train",
@@ -165,11 +243,13 @@ def check_proxy(table: Table, out: Path, steps: int, smoke: bool) -> None:
 
 
 def check_layouts(table: Table, out: Path, gpus: int, smoke: bool) -> None:
-    common = [f"run.root={out}", "train.steps=8", "train.seq_len=128", "train.micro_batch_size=4"]
-    common += ["train.global_batch_size=16", "metrics.log_interval=1", "checkpoint.enable=false"]
-    common += ["train.precision=fp32", "lr.warmup_steps=2"]
-    if not smoke:
-        common += ["train.tf32=false"]  # true fp32: the layouts must match one GPU to ~1e-6
+    common = [f"run.root={out}", "train.micro_batch_size=4", "metrics.log_interval=1"]
+    common += ["checkpoint.enable=false", "train.precision=fp32", "lr.warmup_steps=2"]
+    if smoke:  # the plumbing only, at the smallest size that still accumulates gradients
+        common += ["train.steps=4", "train.seq_len=64", "train.global_batch_size=8"]
+    else:  # true fp32: the layouts must match one GPU to ~1e-6
+        common += ["train.steps=8", "train.seq_len=128", "train.global_batch_size=16"]
+        common += ["train.tf32=false"]
     reference = dstrain("train", "--fresh", *sets([*common, "run.name=one_gpu"]))
     if reference.returncode != 0:
         table.add("one-GPU reference", False, reference.stderr.strip()[-300:])
@@ -179,6 +259,14 @@ def check_layouts(table: Table, out: Path, gpus: int, smoke: bool) -> None:
         layouts |= {k: [*v, "train.micro_batch_size=2"] for k, v in LAYOUTS_4.items()}
     for name, overrides in layouts.items():
         ranks = 4 if name in LAYOUTS_4 else 2
+        check = f"{ranks}-GPU {name} vs one GPU"
+        if smoke and name not in SMOKE_LAYOUTS:
+            checked = dstrain("check", "--world-size", str(ranks), *sets([*common, *overrides]))
+            if checked.returncode != 0:
+                table.add(check, False, checked.stdout.strip()[-300:])
+            else:
+                table.skip(check, f"smoke runs {' and '.join(SMOKE_LAYOUTS)}; this passed check")
+            continue
         done = dstrain(
             "train",
             "--fresh",
@@ -187,17 +275,13 @@ def check_layouts(table: Table, out: Path, gpus: int, smoke: bool) -> None:
             *sets([*common, *overrides, f"run.name={name}"]),
         )
         if done.returncode != 0:
-            table.add(f"{ranks}-GPU {name}", False, done.stderr.strip()[-300:])
+            table.add(check, False, done.stderr.strip()[-300:])
             continue
         compared = dstrain("loss-compare", str(out / "one_gpu"), str(out / name), "--rtol", "1e-5")
         keys = metric_keys(out / name)
         comm = sorted(k for k in keys if k.startswith("comm/") and k.endswith("exposed_fraction"))
         detail = (compared.stdout.strip().splitlines() or ["?"])[-1][:120]
-        table.add(
-            f"{ranks}-GPU {name} vs one GPU",
-            compared.returncode == 0,
-            f"{detail}; comm keys {len(comm)}",
-        )
+        table.add(check, compared.returncode == 0, f"{detail}; comm keys {len(comm)}")
     bf16 = dstrain(
         "train",
         "--fresh",
@@ -212,129 +296,40 @@ def check_layouts(table: Table, out: Path, gpus: int, smoke: bool) -> None:
     )
 
 
-def check_document_mask(table: Table, out: Path, smoke: bool) -> None:
-    """FlexAttention's BlockMask (the CUDA path of data.document_mask) against SDPA with the
-    boolean mask (the CPU path, which the CPU tests prove right) on one model and batch: logits
-    and gradients; then a short training run with the mask on."""
-    import torch
-
-    from dstrain.config.flavors import flavor_args
-    from dstrain.model import documents
-    from dstrain.model.transformer import build_model
-
-    device = "cpu" if smoke else "cuda"
-    model = build_model(flavor_args("debug"), device, seed=0)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, model.args.vocab_size, (2, 256), generator=g).to(device)
-    ids = torch.sort(torch.randint(0, 6, (2, 256), generator=g), dim=1).values.to(device)
-
-    def run(flex: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        saved = list(documents._COMPILED_FLEX)
-        if not flex:
-            documents._COMPILED_FLEX[:] = [None]  # the SDPA path with a boolean mask
-        try:
-            model.zero_grad()
-            logits = model(tokens, documents=ids)[0]
-            logits.float().square().mean().backward()
-        finally:
-            documents._COMPILED_FLEX[:] = saved
-        return logits.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
-
-    try:
-        (a, ga), (b, gb) = run(True), run(False)
-        logit_gap = (a - b).abs().max().item()
-        grad_gap = max(
-            ((x - y).abs().max() / y.abs().max().clamp_min(1e-12)).item()
-            for x, y in zip(ga, gb, strict=True)
-        )
-        kind = "SDPA bool mask (CPU)" if smoke else "FlexAttention BlockMask vs SDPA bool mask"
-        table.add(
-            "document mask kernels",
-            logit_gap < 1e-3 and grad_gap < 1e-2,
-            f"{kind}: max |logits diff| {logit_gap:.1e}, max grad diff {grad_gap:.1e} of max",
-        )
-    except Exception as exc:  # a kernel that does not run here is a finding, not a crash
-        table.add("document mask kernels", False, f"{type(exc).__name__}: {exc}"[:300])
-    steps = ["train.steps=4", "train.seq_len=256", "train.micro_batch_size=2"]
-    done = dstrain(
-        "train",
-        "--fresh",
-        *sets([f"run.root={out}", "run.name=docmask", "data.document_mask=true", *steps]),
-    )
-    table.add(
-        "document-masked run trains",
-        done.returncode == 0,
-        "" if done.returncode == 0 else done.stderr.strip()[-300:],
-    )
-
-
-def check_fp8(table: Table, out: Path, smoke: bool) -> None:
-    """The blockwise kernel against the emulation (the CPU tests prove the emulation against
-    fp64): same E4M3 operands and scales, so only accumulation order may differ."""
-    import torch
-
+def check_runs(table: Table, out: Path, device, smoke: bool) -> None:
+    """`train.precision=fp8` on the blockwise kernel (on CPU, the smoke trains the emulation:
+    plumbing only) and a document-masked run (FlexAttention on CUDA, else SDPA)."""
     from dstrain.model import fp8
 
-    device = torch.device("cpu" if smoke else "cuda")
-    reason = fp8.blockwise_kernel_reason(device)
-    backend = "emulated" if reason else "scaled_mm"
-    worst = 0.0
-    try:
-        g = torch.Generator().manual_seed(0)
-        for M, N, K in [(256, 768, 512), (200, 300, 130), (4096, 2048, 7168)][: 2 if smoke else 3]:
-            x = (torch.randn(M, K, generator=g) ** 3).to(device)
-            w = (torch.randn(N, K, generator=g) * 0.02).to(device)
-            qx, qw, qt = fp8.quantize_tiles(x), fp8.quantize_blocks(w), fp8.quantize_tiles(w)
-            for b in (qw, qt):
-                got = fp8.blockwise_mm(qx, b, torch.float32, backend)
-                ref = fp8.emulated_mm(qx, b)
-                worst = max(worst, ((got - ref).norm() / ref.norm()).item())
-        label = f"{backend}" + (f" ({reason})" if reason else "")
-        table.add(
-            "fp8 blockwise kernel vs emulation", worst < 1e-3, f"{label}: rel. diff {worst:.1e}"
-        )
-        if not reason:
-            table.add("fp8 GEMM speed", None, _fp8_speed(device))
-    except Exception as exc:  # a kernel that does not run here is a finding, not a crash
-        table.add("fp8 blockwise kernel vs emulation", False, f"{type(exc).__name__}: {exc}"[:300])
-    steps = ["train.steps=4", "train.precision=fp8"]
-    if reason and not smoke:
-        steps.append("train.fp8_backend=emulated")
-    done = dstrain("train", "--fresh", *sets([f"run.root={out}", "run.name=fp8", *steps]))
-    table.add(
-        "fp8 run trains",
-        done.returncode == 0,
-        "" if done.returncode == 0 else done.stderr.strip()[-300:],
-    )
+    backend = FP8_REFERENCE if smoke else FP8_KERNEL
+    check = f"fp8 run trains ({backend})"
+    reason = None if smoke else fp8.blockwise_kernel_reason(device)
+    short = ["train.steps=4"]
+    if smoke:  # the plumbing only
+        short = ["train.steps=2", "train.seq_len=64", "train.micro_batch_size=2"]
+        short.append("train.global_batch_size=2")
+    if reason is not None:
+        table.skip(check, reason, FP8)
+    else:
+        overrides = [*short, "train.precision=fp8", f"train.fp8_backend={backend}"]
+        table_run(table, check, out, overrides, None if smoke else FP8)
+    flex = flex_reason(device) is None
+    check = f"document-masked run trains ({'FlexAttention' if flex else 'SDPA bool mask'})"
+    mask = ["data.document_mask=true"]
+    if not smoke:
+        mask += ["train.seq_len=256", "train.micro_batch_size=2"]
+    table_run(table, check, out, [*short, *mask], FLEX if flex else None)
 
 
-def _fp8_speed(device) -> str:
-    import torch
-
-    from dstrain.model import fp8
-
-    x = torch.randn(8192, 7168, device=device, dtype=torch.bfloat16)
-    w = torch.randn(2048, 7168, device=device, dtype=torch.bfloat16)
-    qx, qw = fp8.quantize_tiles(x), fp8.quantize_blocks(w)
-
-    def best(fn) -> float:
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(10):
-            start = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    gemm = best(lambda: fp8.blockwise_mm(qx, qw, torch.bfloat16, "scaled_mm"))
-    bf16 = best(lambda: x @ w.T)
-    whole = best(lambda: fp8.fp8_matmul(x, w, "scaled_mm"))
-    return (
-        f"8192x2048x7168: GEMM {bf16 / gemm:.2f}x bf16's speed; with quantisation "
-        f"{bf16 / whole:.2f}x"
-    )
+def table_run(
+    table: Table, check: str, out: Path, overrides: list[str], kernel: str | None
+) -> None:
+    """A short training run; `kernel`: the kernel it runs on, where it is one of the checked."""
+    name = check.split(" ")[0].replace("-", "_")
+    common = [f"run.root={out}", f"run.name={name}", "checkpoint.enable=false"]
+    done = dstrain("train", "--fresh", *sets([*common, *overrides]))
+    ok = done.returncode == 0
+    table.add(check, ok, "" if ok else done.stderr.strip()[-300:], kernel)
 
 
 def check_bench(table: Table, gpus: int) -> None:
@@ -353,26 +348,38 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("gpu-check"))
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--smoke", action="store_true", help="the plumbing on CPU, tiny")
+    parser.add_argument("--kernels", action="store_true", help="the kernel rows only (step 3)")
     args = parser.parse_args()
+    import torch
+
     gpus = gpu_count()
     if not gpus and not args.smoke:
         print("no CUDA GPU visible: nothing to check here (--smoke runs the plumbing on CPU)")
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    table = Table()
-    print(f"gpu check: {gpus} GPU(s), results under {args.out}", flush=True)
+    table = Table(platform_facts())
+    print(f"gpu check: {table.header()}; results under {args.out}", flush=True)
+    device = torch.device("cpu" if args.smoke else "cuda")
+    if args.kernels:
+        check_kernels(table, device)
+    else:
+        check_all(table, args, gpus, device)
+    table.show()
+    table.write_json(args.out / "gpu_check.json")
+    return 1 if table.failed else 0
+
+
+def check_all(table: Table, args: argparse.Namespace, gpus: int, device) -> None:
     check_doctor(table)
-    check_proxy(table, args.out, 6 if args.smoke else args.steps, args.smoke)
-    check_document_mask(table, args.out, args.smoke)
-    check_fp8(table, args.out, args.smoke)
+    check_proxy(table, args.out, 2 if args.smoke else args.steps, args.smoke)
+    check_kernels(table, device)
+    check_runs(table, args.out, device, args.smoke)
     if gpus >= 2 or args.smoke:
         if not args.smoke:
             check_bench(table, gpus)
         check_layouts(table, args.out, max(gpus, 2), args.smoke)
     else:
-        table.add("multi-GPU layouts", None, "one GPU: bench comm and the NCCL layouts need two")
-    table.show()
-    return 1 if table.failed else 0
+        table.skip("multi-GPU layouts", "one GPU: bench comm and the NCCL layouts need two")
 
 
 if __name__ == "__main__":
