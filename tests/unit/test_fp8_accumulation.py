@@ -14,9 +14,6 @@ the FP8 quantisation error it sits beside. Without FSDP (DDP, one process) the m
 is fp32 and so is its FP8 wgrad: nothing is rounded.
 """
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -32,11 +29,8 @@ MICRO_BATCHES = 3
 
 @pytest.fixture(scope="module")
 def one_rank():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # An in-process store: no MASTER_* variables left behind for the tests after this one.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield init_device_mesh("cpu", (1,))
     dist.destroy_process_group()
 
