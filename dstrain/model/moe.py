@@ -141,9 +141,9 @@ def grouped_swiglu(
     counts_E as ints where the caller already read them (expert parallelism)."""
     if fp8_backend is not None:
         sizes = split_sizes(counts_E, sizes)
-        gate_TF = fp8_grouped_mm(x_TD, w1_EFD, sizes, fp8_backend)
-        up_TF = fp8_grouped_mm(x_TD, w3_EFD, sizes, fp8_backend)
-        return fp8_grouped_mm(F.silu(gate_TF) * up_TF, w2_EDF, sizes, fp8_backend)
+        gate_TF = fp8_grouped_mm(x_TD, w1_EFD, counts_E, sizes, fp8_backend)
+        up_TF = fp8_grouped_mm(x_TD, w3_EFD, counts_E, sizes, fp8_backend)
+        return fp8_grouped_mm(F.silu(gate_TF) * up_TF, w2_EDF, counts_E, sizes, fp8_backend)
     dtype = compute_dtype(x_TD)
     x_TD = x_TD.to(dtype)
     w1_EFD, w2_EDF, w3_EFD = (w.to(dtype) for w in (w1_EFD, w2_EDF, w3_EFD))
@@ -195,7 +195,7 @@ def fp8_grouped_matmul(
     x_TI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor, backend: str
 ) -> torch.Tensor:
     """`_grouped_matmul` in FP8 on `backend` (`fp8_grouped.Fp8GroupedMatmul`)."""
-    return fp8_grouped_mm(x_TI, w_EOI, split_sizes(counts_E, None), backend)
+    return fp8_grouped_mm(x_TI, w_EOI, counts_E, split_sizes(counts_E, None), backend)
 
 
 @torch.compiler.disable

@@ -14,6 +14,7 @@ gets padded).
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dstrain.model import moe
 from dstrain.model.fp8_grouped import fp8_grouped_mm
@@ -53,16 +54,47 @@ def test_fp8_linear_forward_and_backward_pass_scaled_mm_meta_kernel(shape, out, 
     assert x.grad.shape == x.shape and linear.weight.grad.shape == linear.weight.shape
 
 
+class _HostToDevice(TorchDispatchMode):
+    """Records every copy from the host to the run's device: a blocking one waits for the
+    stream on a GPU (torch synchronizes it), a host sync the step cannot afford per expert.
+    `.to(device)` of a host tensor dispatches `_to_copy`; `torch.tensor(data, device=...)` and
+    `torch.as_tensor` copy below the dispatcher, so they are wrapped while the mode is on."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        super().__init__()
+        self.copies: list[str] = []
+        for name in ("tensor", "as_tensor"):
+            monkeypatch.setattr(torch, name, self._recording(name, getattr(torch, name)))
+
+    def _recording(self, name: str, original):
+        def build(*args, **kwargs):
+            self.copies.append(f"torch.{name}")
+            return original(*args, **kwargs)
+
+        return build
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sources = args[1:2] if func is torch.ops.aten.copy_.default else args[:1]
+        from_host = any(isinstance(s, torch.Tensor) and s.device.type == "cpu" for s in sources)
+        if from_host and isinstance(out, torch.Tensor) and out.device == META:
+            self.copies.append(str(func))
+        return out
+
+
 @pytest.mark.parametrize(
     "inner,outer", [(V3_DIM, V3_EXPERT), (V3_EXPERT, V3_DIM)], ids=["w1-w3", "w2"]
 )
-def test_fp8_experts_pass_scaled_mm_meta_kernel_on_every_chunk_size(inner, outer):
+def test_fp8_experts_pass_scaled_mm_meta_kernel_on_every_chunk_size(inner, outer, monkeypatch):
     x = torch.empty(sum(EXPERT_ROWS), inner, device=META, dtype=BF16, requires_grad=True)
     w = torch.empty(len(EXPERT_ROWS), outer, inner, device=META, requires_grad=True)
-    y = fp8_grouped_mm(x, w, EXPERT_ROWS, "scaled_mm")
-    assert y.shape == (sum(EXPERT_ROWS), outer)
-    _backward(y)
+    counts = torch.empty(len(EXPERT_ROWS), dtype=torch.int64, device=META)
+    with _HostToDevice(monkeypatch) as recorded:
+        y = fp8_grouped_mm(x, w, counts, EXPERT_ROWS, "scaled_mm")
+        assert y.shape == (sum(EXPERT_ROWS), outer)
+        _backward(y)
     assert x.grad.shape == x.shape and w.grad.shape == w.shape
+    assert recorded.copies == []  # the wgrad's scatter index is computed on the device
 
 
 def test_fp8_swiglu_experts_pass_the_meta_kernels_through_the_module():

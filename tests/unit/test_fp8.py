@@ -160,7 +160,7 @@ def test_grouped_experts_equal_one_fp8_gemm_per_expert_bit_for_bit(w_dtype):
     upstream = torch.randn(sum(sizes), 136, generator=g)
 
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-    yg = fp8_grouped.fp8_grouped_mm(xg, wg, sizes, "emulated")
+    yg = fp8_grouped.fp8_grouped_mm(xg, wg, torch.tensor(sizes), sizes, "emulated")
     (yg.float() * upstream).sum().backward()
 
     xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
