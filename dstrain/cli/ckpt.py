@@ -1,4 +1,4 @@
-"""`dstrain ckpt ...`: inspect, diff and export checkpoints.
+"""`dstrain ckpt ...`: inspect, diff and export checkpoints (`verify-hf`: ckpt_verify_hf.py).
 
 `inspect` and `diff` read only the checkpoints' manifests (JSON) and the files' sizes or hashes:
 no torch, so they answer in milliseconds on a laptop. `export-hf` imports torch when it runs.
@@ -14,7 +14,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from dstrain.checkpoint.catalog import KINDS, checkpoints, latest_valid, locate, step_of
 from dstrain.checkpoint.manifest import Verdict, read_meta, verify
 from dstrain.checkpoint.resume import ResumeDiff, compare
-from dstrain.cli.common import add_json_flag, add_set_arg, console, positive_int, print_json
+from dstrain.cli import ckpt_verify_hf
+from dstrain.cli.common import (
+    add_json_flag,
+    add_set_arg,
+    console,
+    positive_int,
+    print_json,
+    size_text,
+)
 from dstrain.config.load import load_config
 from dstrain.config.schema import DstrainConfig
 from dstrain.config.validate import raise_if_errors
@@ -45,10 +53,13 @@ example: dstrain ckpt diff runs/default --config bigger.toml --world-size 16
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("ckpt", help="inspect, diff and export checkpoints")
+    parser = sub.add_parser(
+        "ckpt", help="inspect, diff and export checkpoints; verify a Hugging Face one"
+    )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     _register_inspect(actions)
     _register_diff(actions)
+    ckpt_verify_hf.register(actions)
     export = actions.add_parser(
         "export-hf",
         help="write a run's newest checkpoint as a Hugging Face model folder",
@@ -176,7 +187,7 @@ def _print_inspect(root: Path, entries: list[dict[str, Any]], pick: str | None) 
             e["kind"],
             _layout(e["layout"], e["world_size"]),
             f"{_count(e['tokens_seen'])} tokens",
-            _bytes(e["size_bytes"]),
+            size_text(e["size_bytes"]),
             _status(e),
         ]
         for e in entries
@@ -336,15 +347,6 @@ def _count(n: Any) -> str:
         if n >= scale:
             return f"{n / scale:.1f}{suffix}"
     return str(n)
-
-
-def _bytes(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    for power, unit in ((4, "TiB"), (3, "GiB"), (2, "MiB"), (1, "KiB")):
-        if n >= 1024**power:
-            return f"{n / 1024**power:.1f} {unit}"
-    raise AssertionError(n)
 
 
 def _du(path: Path) -> int:

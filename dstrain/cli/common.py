@@ -91,3 +91,13 @@ def run_guarded(func: Callable[[argparse.Namespace], int], args: argparse.Namesp
         return 130
     except BrokenPipeError:
         return 0
+
+
+def size_text(n: float) -> str:
+    """Bytes for people: `512 B`, `1.5 KiB` ... `3.2 TiB`."""
+    if n < 1024:
+        return f"{int(n)} B"
+    for power, unit in ((4, "TiB"), (3, "GiB"), (2, "MiB"), (1, "KiB")):
+        if n >= 1024**power:
+            return f"{n / 1024**power:.1f} {unit}"
+    raise AssertionError(n)

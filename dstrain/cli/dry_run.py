@@ -4,7 +4,7 @@ runtimes on torch's fake process group (`dstrain/train/dry_run.py`) and print wh
 import argparse
 from typing import Any
 
-from dstrain.cli.common import console, print_json
+from dstrain.cli.common import console, print_json, size_text
 from dstrain.config.load import LoadedConfig
 from dstrain.errors import UserError
 
@@ -113,6 +113,8 @@ def _print_rank(out: Any, r: dict[str, Any]) -> None:
             "and the cross-entropy's peak over them)",
             markup=False,
         )
+    if r["init_from"] is not None:
+        _print_init_from(out, r["init_from"])
     if r["recompute_flops_per_step"]:
         out.print(
             f"  recomputed in backward: {r['recompute_flops_per_step'] / 1e12:.1f} TFLOP per step",
@@ -128,3 +130,15 @@ def _span(layers: list[int]) -> str:
     if layers == list(range(layers[0], layers[-1] + 1)):
         return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])
     return ", ".join(map(str, layers))
+
+
+def _print_init_from(out: Any, reads: dict[str, Any]) -> None:
+    verb = "read" if reads["read"] else "would read"
+    share = reads["share_bytes"]
+    ratio = f", {reads['bytes'] / share:.3f}x its share" if share else ""
+    out.print(
+        f"  init_from: {verb} {size_text(reads['bytes'])} from {reads['files']} file(s), "
+        f"{reads['tensors']} slices (its shards: {size_text(share)}{ratio}; the checkpoint: "
+        f"{size_text(reads['checkpoint_bytes'])})",
+        markup=False,
+    )

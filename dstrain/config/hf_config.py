@@ -77,11 +77,76 @@ def _rope(k: _Keys) -> tuple[dict[str, Any], float]:
     return (rope if kind == "yarn" else {}), theta
 
 
+# config.json fields the reader refuses rather than ignore: (key, the value dstrain's model has).
+_FIXED = {
+    "moe_layer_freq": 1,  # every layer after first_k_dense_replace is MoE
+    "tie_word_embeddings": False,  # the head is its own tensor
+    "hidden_act": "silu",  # SwiGLU
+    "rope_interleave": True,  # RoPE on interleaved pairs, the release's weight order
+}
+# topk_method -> (the score function it implies, whether groups limit the choice)
+_TOPK_METHODS = {"noaux_tc": ("sigmoid", True), "group_limited_greedy": ("softmax", True),
+                 "greedy": (None, False)}  # fmt: skip
+# The balance-loss weight when config.json has none: each generation's own paper (V3 section
+# 4.2: 1e-4, as the deepseek-v3 flavor; V2: 0.001, as V2's config.json).
+_AUX_DEFAULT = {"deepseek_v3": 0.0001, "deepseek_v2": 0.001}
+
+
+def _refuse_unsupported(k: _Keys) -> None:
+    for key, ours in _FIXED.items():
+        value = k.data.get(key)
+        if value is not None and value != ours:
+            raise UserError(
+                f"{k.origin}: {key} = {json.dumps(value)}; dstrain's DeepSeek model has "
+                f"{json.dumps(ours)} only",
+                f"use a checkpoint with {key} = {json.dumps(ours)} (as DeepSeek's releases), or "
+                "describe the model with model.flavor and its overrides instead",
+                exit_code=1,
+            )
+    method = k.data.get("topk_method")
+    if method is not None and method not in _TOPK_METHODS:
+        raise UserError(
+            f"{k.origin}: topk_method `{method}` is not one dstrain routes by",
+            f"dstrain routes by {', '.join(_TOPK_METHODS)} (DeepSeek-V3, V2, V2-Lite)",
+            exit_code=1,
+        )
+    score, _ = _TOPK_METHODS.get(method, (None, True))
+    scoring = k.data.get("scoring_func")
+    if score is not None and scoring is not None and scoring != score:
+        raise UserError(
+            f"{k.origin}: topk_method `{method}` with scoring_func `{scoring}`",
+            f"{method} routes on {score} scores (DeepSeek's pairing); fix one of the two",
+            exit_code=1,
+        )
+
+
+def deepseek_notes(data: dict[str, Any]) -> list[str]:
+    """What the reader decided about a DeepSeek config.json that the file does not say outright,
+    for `dstrain check` to show: defaults taken, and fields that do not shape the weights."""
+    notes = []
+    kind = str(data.get("model_type", ""))
+    if kind in _AUX_DEFAULT and data.get("aux_loss_alpha") is None:
+        notes.append(
+            f"config.json has no aux_loss_alpha: the balance loss weighs {_AUX_DEFAULT[kind]} "
+            f"(the {kind} paper's; set model.aux_loss_alpha to change it)"
+        )
+    ep = data.get("ep_size")
+    if ep not in (None, 1):
+        notes.append(
+            f"config.json's ep_size {ep} is DeepSeek's inference-time expert-parallel degree; "
+            "training's comes from parallel.ep"
+        )
+    return notes
+
+
 def _deepseek(k: _Keys) -> dict[str, Any]:
+    _refuse_unsupported(k)
     rope, theta = _rope(k)
     layers = k.need("num_hidden_layers")
     experts = k.get("n_routed_experts", 0)
-    v3 = k.data.get("model_type") == "deepseek_v3"
+    kind = k.data.get("model_type")
+    v3 = kind == "deepseek_v3"
+    _, grouped = _TOPK_METHODS.get(k.data.get("topk_method"), (None, True))
     return {
         "vocab_size": k.need("vocab_size"),
         "dim": k.need("hidden_size"),
@@ -98,12 +163,14 @@ def _deepseek(k: _Keys) -> dict[str, Any]:
         "num_shared_experts": k.get("n_shared_experts", 0),
         "num_activated_experts": k.get("num_experts_per_tok", 0),
         "moe_inter_dim": k.get("moe_intermediate_size", 1),
-        "n_group": k.get("n_group", 1),
-        "topk_group": k.get("topk_group", 1),
+        # greedy top-k ignores any groups the file lists (V2-Lite's n_group is 1 anyway)
+        "n_group": k.get("n_group", 1) if grouped else 1,
+        "topk_group": k.get("topk_group", 1) if grouped else 1,
         "score_func": k.get("scoring_func", "sigmoid" if v3 else "softmax"),
         "route_scale": k.get("routed_scaling_factor", 1.0),
         "norm_topk_prob": k.get("norm_topk_prob", False),
-        "aux_loss_alpha": k.get("aux_loss_alpha", 0.0),
+        "aux_loss_alpha": k.get("aux_loss_alpha", _AUX_DEFAULT.get(kind, 0.0)),
+        "seq_aux": k.get("seq_aux", True),
         "bias_update_speed": 0.001 if v3 or k.get("topk_method", "") == "noaux_tc" else 0.0,
         "num_mtp_modules": k.get("num_nextn_predict_layers", 0),
         "max_seq_len": k.get("max_position_embeddings", 4096),

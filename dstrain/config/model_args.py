@@ -95,6 +95,11 @@ class ModelArgs(BaseModel):
     aux_loss_alpha: float = Field(
         0.0, ge=0, description="Weight of the sequence-wise balance loss. 0 = off (V3 uses 1e-4)."
     )
+    seq_aux: bool = Field(
+        True,
+        description="The balance loss per sequence, averaged (V3 eq. 17-20; HF seq_aux), or "
+        "over all tokens of the micro-batch at once (false: DeepSeek-V2's batch-wise form).",
+    )
     num_mtp_modules: int = Field(
         1, ge=0, description="Multi-token prediction depth D (extra future tokens). 0 = off."
     )

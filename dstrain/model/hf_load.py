@@ -19,7 +19,6 @@ Every tensor is accounted for, against the names the architecture implies (`expe
 missing, extra or mis-shaped tensor is an error naming it and the fix; nothing is dropped.
 """
 
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,95 +30,98 @@ from torch import nn
 from dstrain.config.model_args import ModelArgs
 from dstrain.errors import UserError
 from dstrain.model.hf_adapter import to_hf
+from dstrain.model.hf_files import FP8, INDEX, Headers, Problem, TensorEntry, read_headers
+from dstrain.model.hf_verify import (
+    SCALE_SUFFIX,
+    block_size,
+    fix_for,
+    mtp_copies,
+    summary,
+    verify,
+)
 from dstrain.model.init import LocalBox, canonical_name, reset_buffers, whole
-
-SCALE_SUFFIX = "_scale_inv"
-IGNORED = (re.compile(r".*rotary_emb\.inv_freq$"),)  # buffers some exports carry; recomputed here
-MAX_LISTED = 5
 
 
 @dataclass
 class Loaded:
-    """What a load filled: tensors, of which FP8-dequantised."""
+    """What a load filled: tensors, of which FP8-dequantised, and MTP copies compared."""
 
     tensors: int = 0
     fp8: int = 0
+    copies_compared: int = 0
 
 
 class HFCheckpoint:
-    """The tensors of a checkpoint folder: name -> (file, shape, dtype), from the safetensors
-    headers (the index file names the files; without one, every *.safetensors is read)."""
+    """The tensors of a checkpoint folder, known from its headers (`hf_files.read_headers`),
+    read slice by slice. `read_data=False` plans instead: `read` returns an empty tensor of the
+    slice's shape on `meta` and counts the bytes and files a load would read (the pre-launch
+    check's per-rank reads)."""
 
-    def __init__(self, folder: Path) -> None:
-        from safetensors import safe_open
-
-        self.folder = folder
-        files = sorted(folder.glob("*.safetensors"))
-        if not files:
+    def __init__(self, folder: Path, *, read_data: bool = True) -> None:
+        if not any(folder.glob("*.safetensors")) and not (folder / INDEX).exists():
             raise UserError(
                 f"model.init_from: no .safetensors files in {folder}",
                 "point model.init_from at a Hugging Face checkpoint folder (config.json and "
                 "model*.safetensors)",
                 exit_code=1,
             )
-        self.block = _block_size(folder)
-        self._open = safe_open
-        self.tensors: dict[str, tuple[Path, tuple[int, ...], str]] = {}
-        for file in files:
-            with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                    part = handle.get_slice(name)
-                    self.tensors[name] = (file, tuple(part.get_shape()), part.get_dtype())
+        self.folder = folder
+        self.read_data = read_data
+        self.headers: Headers = read_headers(folder)
+        self.tensors: dict[str, TensorEntry] = self.headers.tensors
+        self.block, _ = block_size(self.headers.config)
         self._handles: dict[Path, object] = {}
-        self.bytes_read = 0  # what this process read: its slices, not the checkpoint
-        self.total_bytes = sum(
-            _numel(shape) * _DTYPE_BYTES.get(dtype, 4) for _, shape, dtype in self.tensors.values()
-        )
+        self.bytes_read = 0  # what this process read (or would): its slices, not the checkpoint
+        self.files_read: set[Path] = set()
+        self.total_bytes = self.headers.data_bytes
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self.tensors[name][1]
+        return self.tensors[name].shape
 
     def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         """The `index` part of tensor `name`, dequantised to fp32 when it is FP8."""
-        file, shape, dtype = self.tensors[name]
-        part = self._handle(file).get_slice(name)[index]
-        self.bytes_read += part.numel() * part.element_size()
-        if dtype.startswith("F8"):
-            return self._dequantised(name, part, index, shape)
+        entry = self.tensors[name]
+        part = self._slice(name, index)
+        if entry.dtype == FP8:
+            return self._dequantised(name, part, index, entry.shape)
         return part
+
+    def _slice(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        entry = self.tensors[name]
+        self.files_read.add(entry.file)
+        shape = [len(range(*s.indices(n))) for s, n in zip(index, entry.shape, strict=False)]
+        shape += list(entry.shape[len(index) :])
+        itemsize = entry.nbytes // max(1, _numel(entry.shape))
+        self.bytes_read += _numel(tuple(shape)) * itemsize
+        if not self.read_data:
+            return torch.empty(shape, device="meta")
+        return self._handle(entry.file).get_slice(name)[index]
 
     def _dequantised(
         self, name: str, q: torch.Tensor, index: tuple[slice, ...], shape: tuple[int, ...]
     ) -> torch.Tensor:
-        scale_name = name + SCALE_SUFFIX
-        if scale_name not in self.tensors:
-            raise UserError(
-                f"model.init_from: {name} is FP8 but the checkpoint has no {scale_name}",
-                "use a complete FP8 checkpoint (each e4m3 weight with its block scales)",
-                exit_code=1,
-            )
         b = self.block
         bounds = zip(index, shape, strict=True)
         (r0, r1), (c0, c1) = ((s.start or 0, n if s.stop is None else s.stop) for s, n in bounds)
         blocks = (slice(r0 // b, -(-r1 // b)), slice(c0 // b, -(-c1 // b)))
-        file = self.tensors[scale_name][0]
-        scale = self._handle(file).get_slice(scale_name)[blocks].float()
+        scale = self._slice(name + SCALE_SUFFIX, blocks).float()
+        if not self.read_data:
+            return q
         grid = scale.repeat_interleave(b, 0).repeat_interleave(b, 1)
         rows, cols = r0 - (r0 // b) * b, c0 - (c0 // b) * b
         return q.float() * grid[rows : rows + q.size(0), cols : cols + q.size(1)]
 
     def _handle(self, file: Path):
         if file not in self._handles:
-            self._handles[file] = self._open(str(file), framework="pt").__enter__()
+            from safetensors import safe_open
+
+            self._handles[file] = safe_open(str(file), framework="pt").__enter__()
         return self._handles[file]
 
     def close(self) -> None:
         for handle in self._handles.values():
             handle.__exit__(None, None, None)
         self._handles.clear()
-
-
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8}
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -129,98 +131,20 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
-def _block_size(folder: Path) -> int:
-    """The FP8 block edge of `quantization_config.weight_block_size` (DeepSeek-V3: 128)."""
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        return 128
-    block = (config.get("quantization_config") or {}).get("weight_block_size") or [128, 128]
-    if len(set(block)) != 1:
-        raise UserError(
-            f"model.init_from: weight_block_size {block} is not square",
-            "dstrain reads DeepSeek-V3's 128 x 128 blocks (any square block)",
-            exit_code=1,
-        )
-    return int(block[0])
-
-
-def expected(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """The checkpoint's tensor names and shapes that `args` implies (per-expert layout). The
-    balancing bias only with sigmoid routing: DeepSeek-V2 (softmax) checkpoints have none."""
-    from dstrain.model.transformer import Transformer
-
-    with torch.device("meta"):
-        model = Transformer(args)
-    state = {k: v for k, v in model.state_dict().items() if "tokens_per_expert" not in k}
-    if args.score_func != "sigmoid":
-        state = {k: v for k, v in state.items() if not k.endswith("expert_bias")}
-    return {name: tuple(t.shape) for name, t in to_hf(state, args).items()}
+def problems(checkpoint: HFCheckpoint, args: ModelArgs) -> list[Problem]:
+    return verify(checkpoint.headers, args)
 
 
 def check(checkpoint: HFCheckpoint, args: ModelArgs) -> None:
-    """Every tensor the architecture needs is there with its shape, and nothing else is (the
-    fused expert layout counts for the per-expert one)."""
-    wanted = expected(args)
-    present = set(checkpoint.tensors)
-    fused = _fused_names(present)
-    missing = [n for n in wanted if n not in present and _fused_source(n) not in fused]
-    used = set(wanted) | {n + SCALE_SUFFIX for n in wanted} | fused
-    extra = [n for n in present if n not in used and not any(p.match(n) for p in IGNORED)]
-    if missing:
+    """Every tensor the architecture needs is there with its shape and a dtype the loader reads,
+    and nothing else is; else one message naming every problem."""
+    found = problems(checkpoint, args)
+    if found:
         raise UserError(
-            f"model.init_from: {checkpoint.folder} lacks {len(missing)} tensor(s) this "
-            f"architecture needs: {_listed(missing)}",
-            _fix_for_missing(missing, args),
+            f"model.init_from: {checkpoint.folder} does not fit this model:\n  {summary(found)}",
+            fix_for(found, args),
             exit_code=1,
         )
-    if extra:
-        raise UserError(
-            f"model.init_from: {checkpoint.folder} holds {len(extra)} tensor(s) this "
-            f"architecture has no place for: {_listed(extra)}",
-            "set the model to the checkpoint's architecture (model.hf_config = its config.json, "
-            "no overrides of layer, expert or MTP counts); nothing is dropped silently",
-            exit_code=1,
-        )
-    for name, shape in wanted.items():
-        if name in present and checkpoint.shape(name) != shape:
-            raise UserError(
-                f"model.init_from: {name} is {list(checkpoint.shape(name))} in the checkpoint, "
-                f"{list(shape)} in this architecture",
-                "use the checkpoint's own config.json for the model (drop the overrides that "
-                "change this tensor's shape)",
-                exit_code=1,
-            )
-
-
-def _listed(names: list[str]) -> str:
-    shown = ", ".join(names[:MAX_LISTED])
-    return shown + (f" and {len(names) - MAX_LISTED} more" if len(names) > MAX_LISTED else "")
-
-
-def _fix_for_missing(missing: list[str], args: ModelArgs) -> str:
-    mtp_layer = f"model.layers.{args.num_layers}."
-    if args.num_mtp_modules and all(n.startswith(mtp_layer) for n in missing):
-        return (
-            "the checkpoint has no multi-token-prediction layer (transformers drops it on save): "
-            "--set model.num_mtp_modules=0"
-        )
-    return "point model.init_from at a checkpoint of this architecture, or fix the overrides"
-
-
-_FUSED = re.compile(r"(.*\.mlp\.experts)\.\d+\.(gate_proj|up_proj|down_proj)\.weight")
-
-
-def _fused_source(name: str) -> str | None:
-    match = _FUSED.fullmatch(name)
-    if match is None:
-        return None
-    prefix, kind = match.groups()
-    return f"{prefix}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}"
-
-
-def _fused_names(present: set[str]) -> set[str]:
-    return {n for n in present if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))}
 
 
 @torch.no_grad()
@@ -234,6 +158,9 @@ def load_parameters(
 
     args: ModelArgs = model.args
     loaded = Loaded()
+    copies: dict[str, list[str]] = {}
+    for copy, main in mtp_copies(args).items():
+        copies.setdefault(main, []).append(copy)
     reset_buffers(model)  # RoPE tables, load counters; balancing biases zero (DeepSeek-V2)
     for name, tensor in [*model.named_parameters(), *_biases(model)]:
         key = canonical_name(name)
@@ -244,7 +171,32 @@ def load_parameters(
         if key.endswith("expert_bias") and hf[0] not in checkpoint.tensors:
             continue  # a DeepSeek-V2 checkpoint: no balancing bias, it starts at zero
         _load_box(checkpoint, box, hf, loaded)
+        for copy in copies.get(hf[0], ()):
+            _compare_copy(checkpoint, box, hf[0], copy, loaded)
     return loaded
+
+
+def _compare_copy(
+    checkpoint: HFCheckpoint, box: LocalBox, main: str, copy: str, loaded: Loaded
+) -> None:
+    """The MTP layer's copy of the embedding or head equals the main tensor on this rank's box
+    (`hf_verify`'s docstring: dstrain's MTP shares them, as DeepSeek's does)."""
+    if copy not in checkpoint.tensors or box.local.numel() == 0:
+        return
+    index = tuple(slice(o, o + n) for o, n in zip(box.offset, box.local.shape, strict=True))
+    ours, theirs = checkpoint.read(main, index), checkpoint.read(copy, index)
+    loaded.copies_compared += 1
+    if checkpoint.read_data and not torch.equal(ours, theirs):
+        rows = (ours != theirs).flatten(1).any(1).nonzero().flatten()
+        raise UserError(
+            f"model.init_from: {copy} differs from {main} ({rows.numel()} of the "
+            f"{ours.size(0)} rows read here, first row {int(rows[0]) + index[0].start}): this "
+            "checkpoint's MTP layer has its own embedding or head, and dstrain's MTP shares the "
+            "main model's (as DeepSeek-V3's does)",
+            f"copy {main} over {copy} in the checkpoint, or drop the MTP layer "
+            "(--set model.num_mtp_modules=0)",
+            exit_code=1,
+        )
 
 
 def _biases(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -277,7 +229,8 @@ def _copy(
     else:  # transformers' fused experts: gate_up_proj [E, 2F, D], down_proj [E, D, F]
         values = _read_fused(checkpoint, name, index)
     loaded.tensors += 1
-    loaded.fp8 += checkpoint.tensors.get(name, ("", (), ""))[2].startswith("F8")
+    entry = checkpoint.tensors.get(name)
+    loaded.fp8 += entry is not None and entry.dtype == FP8
     out.copy_(values.reshape(out.shape))
 
 

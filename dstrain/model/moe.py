@@ -247,7 +247,7 @@ class MoE(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.num_experts, self.top_k = args.num_routed_experts, args.num_activated_experts
-        self.aux_loss_alpha = args.aux_loss_alpha
+        self.aux_loss_alpha, self.seq_aux = args.aux_loss_alpha, args.seq_aux
         self.router = Router(args)
         self.experts = GroupedExperts(args.num_routed_experts, args.dim, args.moe_inter_dim)
         shared = args.num_shared_experts * args.moe_inter_dim
@@ -279,7 +279,11 @@ class MoE(nn.Module):
             out_TD = out_TD + (shared[0] if shared else self.shared_experts(x_TD))
         out = out_TD.view(B, S, D)
         if self.aux_loss_alpha > 0 and self.training and torch.is_grad_enabled():
-            aux = self._balance_loss(scores_TE.view(B, S, -1), experts_TK.view(B, S, -1))
+            # Without seq_aux the micro-batch is one sequence of B*S tokens (V2's batch form).
+            rows = B if self.seq_aux else 1
+            aux = self._balance_loss(
+                scores_TE.view(rows, -1, scores_TE.size(-1)), experts_TK.view(rows, -1, self.top_k)
+            )
             self.last_aux_loss.copy_(aux.detach())
             out = AddAuxiliaryLoss.apply(out, aux * self.aux_loss_scale)
         return out

@@ -8,9 +8,11 @@ Order (torchtitan's): build on meta -> TP, EP, activation checkpointing, compile
 """
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from dstrain.model.hf_load import HFCheckpoint, load_parameters
 from dstrain.model.init import LocalBox, init_parameters, whole
@@ -22,12 +24,23 @@ def local_box(tensor: torch.Tensor) -> LocalBox:
     and their 2-D compositions all come out as one box of the global tensor."""
     if not isinstance(tensor, DTensor):
         return whole(tensor)
-    shape, offset = compute_local_shape_and_global_offset(
-        tensor.shape, tensor.device_mesh, tensor.placements
+    mesh = tensor.device_mesh
+    shape, offset = _compute_local_shape_and_global_offset(
+        tensor.shape, mesh.shape, _coordinate(mesh), tensor.placements
     )
     local = tensor._local_tensor  # the storage itself: init writes in place
     assert tuple(local.shape) == tuple(shape), (tuple(local.shape), tuple(shape))
     return LocalBox(local, tuple(tensor.shape), tuple(offset))
+
+
+def _coordinate(mesh: DeviceMesh) -> list[int]:
+    """This rank's place in `mesh`, from the mesh's grid of ranks. Not `mesh.get_coordinate()`:
+    torch caches DTensor specs by value, and meshes of the same shape compare equal whatever the
+    rank they were built on, so a dry run that builds rank after rank in one process (fake
+    process groups) meets parameters whose mesh is the previous rank's, coordinate included."""
+    where = (mesh.mesh == dist.get_rank()).nonzero()
+    assert where.size(0) == 1, f"rank {dist.get_rank()} is not in {mesh}"
+    return where[0].tolist()
 
 
 def materialize(

@@ -18,6 +18,10 @@ backward, and the transient of the backward itself), and the schedule's order on
 `recompute_flops_per_step`: the FLOPs this rank runs again in backward per step under
 activation checkpointing (`_RecomputeFlops`), each micro-batch's backward counted once per pass
 that recomputes it (two where zbv or dualpipev split it into input- and weight-gradient passes).
+`init_from` (with `model.init_from`): what this rank reads of the checkpoint (`InitFromReads`):
+the loader itself runs on the rank's meta model, reading each slice it would fill (`read=True`:
+the bytes are read and discarded; `False`: only counted, the pre-launch check), against the
+rank's share, the bytes of the shards it holds in the checkpoint's dtypes.
 """
 
 import contextlib
@@ -36,10 +40,13 @@ from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
 from dstrain.config.schema import DstrainConfig
-from dstrain.model.init import BLOCK_ELEMENTS
+from dstrain.model.hf_adapter import to_hf
+from dstrain.model.hf_load import HFCheckpoint, load_parameters
+from dstrain.model.init import BLOCK_ELEMENTS, canonical_name
 from dstrain.model.transformer import Transformer
 from dstrain.parallel.distributed import World
 from dstrain.parallel.expert_parallel import ExpertParallelExperts
+from dstrain.parallel.materialize import local_box
 from dstrain.parallel.mesh import Meshes
 from dstrain.parallel.pipeline_sim import schedule_actions
 from dstrain.parallel.state_bytes import FP32, state_bytes
@@ -69,14 +76,31 @@ class RankReport:
     loss_peak_bytes: float | None = None  # the logits held and the loss's peak over them (rank)
     recompute_flops_per_step: float | None = None  # run again in backward (module docstring)
     step: str = "not run"
+    init_from: "InitFromReads | None" = None
     seconds: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def dry_run_rank(config: DstrainConfig, world_size: int, rank: int, step: bool) -> RankReport:
-    """Build `rank`'s runtime on the fake backend and report it; the group is torn down after."""
+@dataclass
+class InitFromReads:
+    """What a rank reads of `model.init_from` (module docstring)."""
+
+    bytes: int  # read: its slices, their FP8 block scales, the MTP copies compared
+    share_bytes: int  # its shards' elements at the checkpoint's bytes per element
+    checkpoint_bytes: int
+    files: int  # files it opens
+    tensors: int  # slices read
+    read: bool  # False: counted, not read
+
+
+def dry_run_rank(
+    config: DstrainConfig, world_size: int, rank: int, step: bool, read_init_from: bool = True
+) -> RankReport:
+    """Build `rank`'s runtime on the fake backend and report it; the group is torn down after.
+    With `model.init_from`, run the loader on the rank's model (reading its slices, or with
+    `read_init_from=False` only counting them)."""
     began = time.perf_counter()
     dist.init_process_group("fake", rank=rank, world_size=world_size)
     try:
@@ -85,6 +109,10 @@ def dry_run_rank(config: DstrainConfig, world_size: int, rank: int, step: bool) 
         built = time.perf_counter()
         report = _report(config, runtime, rank, world_size)
         report.seconds["build"] = built - began
+        if config.model.init_from is not None:
+            report.init_from = init_from_reads(config, runtime, read_init_from)
+            report.seconds["init_from"] = time.perf_counter() - built
+            built = time.perf_counter()
         if step:
             (
                 report.activation_peak_bytes,
@@ -97,6 +125,46 @@ def dry_run_rank(config: DstrainConfig, world_size: int, rank: int, step: bool) 
         dist.destroy_process_group()
     report.seconds["total"] = time.perf_counter() - began
     return report
+
+
+def init_from_reads(config: DstrainConfig, runtime: Runtime, read: bool) -> InitFromReads:
+    """The loader on each of the rank's model chunks, on `meta` (module docstring)."""
+    assert config.model.init_from is not None
+    checkpoint = HFCheckpoint(config.model.init_from, read_data=read)
+    chunks = [_chunk(s.submod) for s in runtime.pipeline.stages] if runtime.pipeline else []
+    loaded = 0
+    try:
+        for chunk in chunks or [_chunk(runtime.model)]:
+            loaded += load_parameters(chunk, checkpoint, local_box).tensors
+    finally:
+        checkpoint.close()
+    return InitFromReads(
+        bytes=checkpoint.bytes_read,
+        share_bytes=_share_bytes(runtime, checkpoint),
+        checkpoint_bytes=checkpoint.total_bytes,
+        files=len(checkpoint.files_read),
+        tensors=loaded,
+        read=read,
+    )
+
+
+def _share_bytes(runtime: Runtime, checkpoint: HFCheckpoint) -> int:
+    """The elements of the rank's shards, each at its checkpoint tensor's bytes per element."""
+    args = runtime.model_args
+    total = 0
+    for name, param in [*runtime.model.named_parameters(), *_expert_biases(runtime.model)]:
+        key = canonical_name(name)
+        hf = next(iter(to_hf({key: torch.empty(param.shape, device="meta")}, args)), None)
+        entry = checkpoint.tensors.get(hf) if hf else None
+        if entry is None:
+            continue
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        total += local.numel() * entry.nbytes // max(1, math.prod(entry.shape))
+    return total
+
+
+def _expert_biases(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias")]
 
 
 def _report(config: DstrainConfig, runtime: Runtime, rank: int, world_size: int) -> RankReport:

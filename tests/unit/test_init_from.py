@@ -74,7 +74,7 @@ def test_fp8_dequantises_exactly_and_costs_its_quantisation_error(corpus, tmp_pa
     checkpoint = HFCheckpoint(folder)
     assert checkpoint.block == BLOCK
     name = "model.layers.1.mlp.experts.3.gate_proj.weight"  # 24 x 64: partial row blocks
-    q_file = checkpoint.tensors[name][0]
+    q_file = checkpoint.tensors[name].file
     from safetensors.torch import load_file
 
     raw = load_file(str(q_file))
@@ -107,7 +107,7 @@ def test_bad_checkpoints_are_one_clear_error(corpus, tmp_path):
     cases = {
         "missing": ({k: v for k, v in tensors.items() if k != name}, name),
         "extra": ({**tensors, "model.layers.9.mlp.gate.weight": tensors[name].clone()}, "layers.9"),
-        "shape": ({**tensors, name: tensors[name][:, :-1].contiguous()}, "is [64, 63]"),
+        "shape": ({**tensors, name: tensors[name][:, :-1].contiguous()}, "[64, 63] here"),
     }
     for case, (changed, mention) in cases.items():
         save_file(changed, str(file), metadata={"format": "pt"})

@@ -1,0 +1,122 @@
+"""`model.init_from` judged before launch, in seconds, from the checkpoint's headers alone:
+`dstrain check CONFIG`, `dstrain ckpt verify-hf DIR --config C`, and `dstrain train` before it
+starts any worker (so a bad checkpoint is one message, once, not a worker's traceback).
+
+Two questions:
+- Does the folder fit the architecture? Every file whole, the index right, every tensor there,
+  nothing extra, each shape, dtype and FP8 block scale right (`model/hf_verify.py`). This reads
+  the safetensors headers and the index, never tensor data.
+- What will each rank read? The rank's runtime is built on torch's fake process group, as the dry
+  run builds it, and the loader runs on its meta model in counting mode (`read_data=False`):
+  the bytes and files of exactly the slices a launch would read. One rank per pipeline position
+  by default (ranks that differ only in data- or expert-parallel coordinates read slices of the
+  same size); `--rank` picks others.
+"""
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dstrain.config.findings import Finding, error, info
+from dstrain.config.hf_config import deepseek_notes
+from dstrain.config.model_args import ModelArgs
+from dstrain.config.schema import DstrainConfig
+from dstrain.model.hf_files import Problem, read_headers
+from dstrain.model.hf_verify import fix_for, summary, verify
+
+KEY = "model.init_from"
+
+
+@dataclass
+class HFCheck:
+    folder: str
+    files: int
+    tensors: int
+    checkpoint_bytes: int
+    header_seconds: float
+    problems: list[Problem]
+    notes: list[str]
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["problems"] = [asdict(p) for p in self.problems]
+        out["ok"] = self.ok
+        return out
+
+
+def check_headers(folder: Path, args: ModelArgs) -> HFCheck:
+    """The folder against `args`, from its headers and index."""
+    began = time.perf_counter()
+    headers = read_headers(folder)
+    problems = verify(headers, args)
+    return HFCheck(
+        folder=str(folder),
+        files=len(headers.files),
+        tensors=len(headers.tensors),
+        checkpoint_bytes=headers.data_bytes,
+        header_seconds=time.perf_counter() - began,
+        problems=problems,
+        notes=deepseek_notes(headers.config),
+    )
+
+
+def init_from_findings(config: DstrainConfig, args: ModelArgs | None) -> list[Finding]:
+    """`model.init_from`'s header check as `check` findings: one error per kind of problem,
+    the notes as info. Nothing when init_from is unset or its folder has no config.json (a rule
+    says so already)."""
+    folder = config.model.init_from
+    if folder is None or args is None or not (Path(folder) / "config.json").exists():
+        return []
+    result = check_headers(Path(folder), args)
+    findings = [info(KEY, note) for note in result.notes]
+    if result.problems:
+        fix = fix_for(result.problems, args)
+        by_kind: dict[str, list[Problem]] = {}
+        for problem in result.problems:
+            by_kind.setdefault(problem.kind, []).append(problem)
+        findings += [error(KEY, f"{folder}: {summary(found)}", fix) for found in by_kind.values()]
+    else:
+        findings.append(
+            info(
+                KEY,
+                f"{result.tensors:,} tensors in {result.files} file(s) "
+                f"({result.checkpoint_bytes / 2**30:,.1f} GiB) fit the model "
+                f"(headers checked in {result.header_seconds:.1f} s)",
+            )
+        )
+    return findings
+
+
+def default_ranks(config: DstrainConfig, world_size: int) -> list[int]:
+    """The first rank of each pipeline position (pp is the mesh's outermost axis) and the last."""
+    pp = max(1, config.parallel.pp)
+    per_stage = max(1, world_size // pp)
+    return sorted({p * per_stage for p in range(pp)} | {world_size - 1})
+
+
+def verify_hf(
+    folder: Path, config: DstrainConfig, args: ModelArgs, world_size: int, ranks: list[int]
+) -> HFCheck:
+    """The header check, then each of `ranks`' planned reads (none when the headers fail)."""
+    from dstrain.train.dry_run import dry_run_rank  # torch and the fake backend
+
+    result = check_headers(folder, args)
+    if result.problems:
+        return result
+    planned = config.model_copy(deep=True)
+    planned.model.init_from = folder
+    for rank in ranks:
+        report = dry_run_rank(planned, world_size, rank, step=False, read_init_from=False)
+        assert report.init_from is not None
+        result.ranks.append(
+            {"rank": rank, "coords": report.coords, "stages": report.stages}
+            | asdict(report.init_from)
+            | {"seconds": report.seconds.get("init_from", 0.0) + report.seconds["build"]}
+        )
+    return result
