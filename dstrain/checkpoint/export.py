@@ -5,7 +5,9 @@ set), in the dtype asked for (bf16 by default, as HF ships).
 Streamed: the checkpoint's tensors are read from DCP a file's worth at a time (`dcp.load` of just
 those keys), converted, split per expert and written, so the host holds about one output file,
 never the whole model. Round trip: `model.init_from` of the export gives the checkpoint's weights
-back, bit for bit in fp32 (and their bf16 rounding in bf16).
+back, bit for bit in fp32 (and their bf16 rounding in bf16). As DeepSeek's release does, each MTP
+layer also holds copies of the embedding and the head (`embed_tokens`, `shared_head.head`), which
+vLLM's and SGLang's MTP loaders read.
 """
 
 import json
@@ -21,7 +23,7 @@ from dstrain.config.load import load_config
 from dstrain.config.model_args import ModelArgs
 from dstrain.config.validate import raise_if_errors
 from dstrain.errors import UserError
-from dstrain.model.hf_adapter import check_exportable, hf_config, to_hf
+from dstrain.model.hf_adapter import check_exportable, hf_config, to_hf, with_mtp_copies
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 INDEX = "model.safetensors.index.json"
@@ -140,7 +142,7 @@ def _write_file(
         value = state["model"].pop(name)
         # Balancing biases stay fp32, as DeepSeek's release keeps them.
         cast = value if name.endswith("expert_bias") else value.to(dtype)
-        out.update(to_hf({name: cast}, args))
+        out.update(with_mtp_copies(to_hf({name: cast}, args), args))
     tmp = path.with_suffix(".tmp")
     save_file(out, str(tmp), metadata={"format": "pt"})
     tmp.replace(path)

@@ -22,6 +22,7 @@ from dstrain.config.findings import Finding, error, info
 from dstrain.config.hf_config import deepseek_notes
 from dstrain.config.model_args import ModelArgs
 from dstrain.config.schema import DstrainConfig
+from dstrain.errors import UserError
 from dstrain.model.hf_files import Problem, read_headers
 from dstrain.model.hf_verify import fix_for, summary, verify
 
@@ -91,6 +92,52 @@ def init_from_findings(config: DstrainConfig, args: ModelArgs | None) -> list[Fi
             )
         )
     return findings
+
+
+def refuse_bad_init_from(config: DstrainConfig, args: ModelArgs) -> None:
+    """Before `dstrain train` starts any worker: a checkpoint that does not fit is one message
+    (a resume, whose checkpoint brings the weights, does not read init_from: not checked)."""
+    folder = config.model.init_from
+    if folder is None or _resumes(config) or not (Path(folder) / "config.json").exists():
+        return
+    result = check_headers(Path(folder), args)
+    if result.problems:
+        raise UserError(
+            f"model.init_from: {folder} does not fit this model:\n  {summary(result.problems)}",
+            fix_for(result.problems, args),
+            exit_code=1,
+        )
+
+
+def _resumes(config: DstrainConfig) -> bool:
+    from dstrain.checkpoint.catalog import latest_valid
+
+    how = config.checkpoint.resume
+    if how in ("auto", "never"):
+        folder = config.run.root / config.run.name / "checkpoints"
+        return how == "auto" and folder.is_dir() and latest_valid(folder) is not None
+    return True
+
+
+def rank_read_findings(
+    config: DstrainConfig, args: ModelArgs, world_size: int, ranks: list[int]
+) -> list[Finding]:
+    """What `ranks` will read, as notes for `dstrain check` (after a clean header check)."""
+    folder = Path(config.model.init_from or "")
+    result = verify_hf(folder, config, args, world_size, ranks)
+    return [
+        info(
+            KEY,
+            f"rank {r['rank']} of {world_size} will read {_gib(r['bytes'])} from {r['files']} "
+            f"file(s), {r['tensors']} slices ({r['bytes'] / max(1, r['share_bytes']):.2f}x "
+            "the shards it holds); `dstrain ckpt verify-hf` lists every pipeline position",
+        )
+        for r in result.ranks
+    ]
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
 def default_ranks(config: DstrainConfig, world_size: int) -> list[int]:

@@ -5,7 +5,7 @@ import argparse
 from dstrain.cli.common import add_config_args, add_json_flag, console, positive_int, print_json
 from dstrain.config.ds_lint import IMPORT_RULES
 from dstrain.config.findings import SEVERITIES, Finding, has_errors, has_unsupported
-from dstrain.config.load import load_config
+from dstrain.config.load import LoadedConfig, load_config
 from dstrain.config.preflight import preflight
 from dstrain.config.rules import RULES
 from dstrain.errors import UserError
@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         return exc.exit_code
     world = world_size(args, loaded.config, imported=loaded.engine is not None)
     findings = preflight(loaded, world)
+    findings += _init_from_findings(loaded, world, findings)
     if args.json:
         print_json([f.as_dict() for f in findings])
     else:
@@ -103,6 +104,24 @@ def run(args: argparse.Namespace) -> int:
         judged = f", judged as {loaded.engine} would" if loaded.engine else ""
         print_findings(f"{args.config or 'defaults'} ({what}{judged}, {where})", findings)
     return exit_status(findings, args.judge)
+
+
+def _init_from_findings(
+    loaded: LoadedConfig, world: int | None, findings: list[Finding]
+) -> list[Finding]:
+    """model.init_from's checkpoint from its headers; with a sound config and a world size, what
+    the first and the last rank will read."""
+    config = loaded.config
+    if config.model.init_from is None or has_errors(findings):
+        return []
+    from dstrain.checkpoint.hf_check import init_from_findings, rank_read_findings
+    from dstrain.config.flavors import resolve_model_args
+
+    args = resolve_model_args(config.model)
+    found = init_from_findings(config, args)
+    if world is None or has_errors(found):
+        return found
+    return found + rank_read_findings(config, args, world, sorted({0, world - 1}))
 
 
 def exit_status(findings: list[Finding], judge: str = "engine") -> int:

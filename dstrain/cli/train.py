@@ -9,9 +9,10 @@ from pathlib import Path
 
 from dstrain.cli.common import add_config_args, console, non_negative_int, positive_int, print_json
 from dstrain.cli.dry_run import add_dry_run_args, dry_run_world, run_dry
-from dstrain.config.load import load_config
+from dstrain.config.load import LoadedConfig, load_config
 from dstrain.config.preflight import preflight
 from dstrain.config.validate import raise_if_errors
+from dstrain.errors import UserError
 
 _EPILOG = """\
 The run directory is runs/<run.name>/: config.toml (exactly what ran), metrics.jsonl, tb/
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_config(args.config, overrides)
     if args.dry_run:
         world = dry_run_world(args, loaded)
-        raise_if_errors(preflight(loaded, world_size=world))
+        _before_launch(loaded, world, worker=False)
         return run_dry(args, loaded, world)
     worker = "LOCAL_RANK" in os.environ  # started by torchrun
     if worker:
@@ -120,8 +121,8 @@ def run(args: argparse.Namespace) -> int:
         world = env_int("WORLD_SIZE", 1)
     else:
         world = args.nproc
-    # The layout is checked before any process exists, with check's own rules.
-    raise_if_errors(preflight(loaded, world_size=world))
+    # The layout, and init_from's checkpoint, are checked before any process exists.
+    _before_launch(loaded, world, worker)
     if (args.nproc > 1 or args.max_restarts) and not worker:
         from dstrain.cli.launch import launch_local
 
@@ -156,6 +157,28 @@ def run(args: argparse.Namespace) -> int:
         markup=False,
     )
     return 0
+
+
+def _before_launch(loaded: LoadedConfig, world: int, worker: bool) -> None:
+    """The check's rules and init_from's headers. Under torchrun every worker runs them on the
+    same files before any process group exists, so they fail alike: rank 0 says why, the
+    others exit with the same status and say nothing (one message, not one per rank)."""
+    try:
+        raise_if_errors(preflight(loaded, world_size=world))
+        _refuse_bad_init_from(loaded)
+    except UserError as exc:
+        if worker and os.environ.get("RANK", "0") != "0":
+            raise SystemExit(exc.exit_code) from None
+        raise
+
+
+def _refuse_bad_init_from(loaded: LoadedConfig) -> None:
+    if loaded.config.model.init_from is None:
+        return
+    from dstrain.checkpoint.hf_check import refuse_bad_init_from
+    from dstrain.config.flavors import resolve_model_args
+
+    refuse_bad_init_from(loaded.config, resolve_model_args(loaded.config.model))
 
 
 def _step_range(text: str) -> str:

@@ -44,6 +44,7 @@ _TOP = {
     "norm.weight": "model.norm.weight",
     "head.weight": "lm_head.weight",
 }
+_MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 _MTP = {
     "enorm.weight": "enorm.weight",
     "hnorm.weight": "hnorm.weight",
@@ -69,6 +70,23 @@ def to_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Te
             elif rest in _MTP:
                 out[prefix + _MTP[rest]] = tensor
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def mtp_copies(args: ModelArgs) -> dict[str, str]:
+    """The MTP layers' copies of the embedding and the head: copy name -> main tensor name."""
+    out = {}
+    for depth in range(1, args.num_mtp_modules + 1):
+        prefix = f"model.layers.{args.num_layers + depth - 1}."
+        out[prefix + "embed_tokens.weight"] = "model.embed_tokens.weight"
+        out[prefix + "shared_head.head.weight"] = "lm_head.weight"
+    return out
+
+
+def with_mtp_copies(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """`hf` plus, for the embedding and the head among them, the MTP layers' copies the release
+    holds (their own storage: safetensors refuses shared tensors)."""
+    copies = {copy: hf[main].clone() for copy, main in mtp_copies(args).items() if main in hf}
+    return hf | copies
 
 
 def _block_to_hf(prefix: str, rest: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -97,6 +115,8 @@ def from_hf(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Ten
             continue
         index, rest = int(match.group(1)), match.group(2)
         ours = _our_prefix(index, args)
+        if index >= args.num_layers and rest in _MTP_COPIES:
+            continue  # the embedding's and head's copies (with_mtp_copies)
         if index >= args.num_layers and rest in inverse_mtp:
             out[ours.removesuffix("block.") + inverse_mtp[rest]] = tensor
         elif rest in inverse_layer:
@@ -156,6 +176,9 @@ def hf_config(args: ModelArgs) -> dict:
         if v3
         else ("group_limited_greedy" if args.n_group > 1 else "greedy"),
         "aux_loss_alpha": args.aux_loss_alpha,
+        "seq_aux": args.seq_aux,
+        "moe_layer_freq": 1,
+        "ep_size": 1,
         "num_nextn_predict_layers": args.num_mtp_modules,
         "max_position_embeddings": args.max_seq_len,
         "rms_norm_eps": args.norm_eps,
@@ -194,7 +217,7 @@ def save_hf_checkpoint(state: dict[str, torch.Tensor], args: ModelArgs, out_dir:
 
     check_exportable(args)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().cpu() for k, v in to_hf(state, args).items()}
+    tensors = {k: v.detach().cpu() for k, v in with_mtp_copies(to_hf(state, args), args).items()}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(hf_config(args), indent=2) + "\n")
 

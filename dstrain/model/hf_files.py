@@ -59,6 +59,13 @@ class Headers:
     files: list[Path] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
     config: dict = field(default_factory=dict)
+    # The index's placement of each tensor, and the files it names that are absent or whose
+    # header cannot be read: their tensors are reported once, as that file's problem.
+    index: dict[str, str] = field(default_factory=dict)
+    unreadable: set[str] = field(default_factory=set)
+
+    def lost_with_file(self, name: str) -> bool:
+        return self.index.get(name) in self.unreadable
 
     @property
     def data_bytes(self) -> int:
@@ -70,6 +77,7 @@ def read_headers(folder: Path) -> Headers:
     checked against the index and against each file's size."""
     headers = Headers(folder, config=_config(folder))
     weight_map = _weight_map(folder, headers.problems)
+    headers.index = weight_map or {}
     if weight_map is None:
         files = sorted(folder.glob("*.safetensors"))
     else:
@@ -80,9 +88,14 @@ def read_headers(folder: Path) -> Headers:
             headers.problems.append(
                 Problem("file", file.name, f"named by {INDEX} for {named} tensor(s), not found")
             )
+            headers.unreadable.add(file.name)
             continue
         headers.files.append(file)
-        for name, entry in _file_entries(file, headers.problems).items():
+        entries = _file_entries(file, headers.problems)
+        if entries is None:
+            headers.unreadable.add(file.name)
+            continue
+        for name, entry in entries.items():
             if name in headers.tensors:
                 other = headers.tensors[name].file.name
                 headers.problems.append(Problem("index", name, f"in both {other} and {file.name}"))
@@ -123,7 +136,7 @@ def _check_index(weight_map: dict[str, str], headers: Headers) -> None:
     for name, file in weight_map.items():
         entry = headers.tensors.get(name)
         if entry is None:
-            if file in present:
+            if file in present and file not in headers.unreadable:
                 headers.problems.append(
                     Problem("index", name, f"{INDEX} places it in {file}, whose header lacks it")
                 )
@@ -136,9 +149,9 @@ def _check_index(weight_map: dict[str, str], headers: Headers) -> None:
             headers.problems.append(Problem("index", name, f"in {entry.file.name}, not in {INDEX}"))
 
 
-def _file_entries(file: Path, problems: list[Problem]) -> dict[str, TensorEntry]:
-    """The tensors of one file's header; framing problems go to `problems` (and a file whose
-    header cannot be read contributes no tensors)."""
+def _file_entries(file: Path, problems: list[Problem]) -> dict[str, TensorEntry] | None:
+    """The tensors of one file's header; framing problems go to `problems`. None: the header
+    cannot be read."""
     size = file.stat().st_size
     with file.open("rb") as handle:
         prefix = handle.read(8)
@@ -146,18 +159,18 @@ def _file_entries(file: Path, problems: list[Problem]) -> dict[str, TensorEntry]
             problems.append(
                 Problem("file", file.name, f"{size} bytes: too short to be safetensors")
             )
-            return {}
+            return None
         (length,) = struct.unpack("<Q", prefix)
         if length > size - 8 or length > MAX_HEADER_BYTES:
             problems.append(
                 Problem(
                     "file",
                     file.name,
-                    f"its header length prefix says {length:,} bytes but the file holds "
-                    f"{size:,}: the header lies about its length, or the file is cut short",
+                    f"its 8-byte prefix gives the header {length:,} bytes; the file has "
+                    f"{size - 8:,} after the prefix: the prefix lies, or the file is cut short",
                 )
             )
-            return {}
+            return None
         raw = handle.read(length)
     try:
         header = json.loads(raw)
@@ -165,7 +178,7 @@ def _file_entries(file: Path, problems: list[Problem]) -> dict[str, TensorEntry]
             raise ValueError("not a JSON object")
     except (ValueError, UnicodeDecodeError) as exc:
         problems.append(Problem("file", file.name, f"its header is not valid JSON ({exc})"))
-        return {}
+        return None
     header.pop("__metadata__", None)
     data_size = size - 8 - length
     entries: dict[str, TensorEntry] = {}

@@ -29,13 +29,12 @@ from torch import nn
 
 from dstrain.config.model_args import ModelArgs
 from dstrain.errors import UserError
-from dstrain.model.hf_adapter import to_hf
+from dstrain.model.hf_adapter import mtp_copies, to_hf
 from dstrain.model.hf_files import FP8, INDEX, Headers, Problem, TensorEntry, read_headers
 from dstrain.model.hf_verify import (
     SCALE_SUFFIX,
     block_size,
     fix_for,
-    mtp_copies,
     summary,
     verify,
 )

@@ -21,6 +21,7 @@ The structure is the release's (DeepSeek-V2/V2-Lite, V3, R1 and V3.1 share it):
 from collections import defaultdict
 
 from dstrain.config.model_args import ModelArgs
+from dstrain.model.hf_adapter import mtp_copies
 from dstrain.model.hf_files import FLOATS, FP8, Headers, Problem
 
 SCALE_SUFFIX = "_scale_inv"
@@ -43,16 +44,6 @@ def expected(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     if args.score_func != "sigmoid":
         state = {k: v for k, v in state.items() if not k.endswith("expert_bias")}
     return {name: tuple(t.shape) for name, t in to_hf(state, args).items()}
-
-
-def mtp_copies(args: ModelArgs) -> dict[str, str]:
-    """The MTP layers' copies of the embedding and the head: copy name -> main tensor name."""
-    out = {}
-    for depth in range(1, args.num_mtp_modules + 1):
-        prefix = f"model.layers.{args.num_layers + depth - 1}."
-        out[prefix + "embed_tokens.weight"] = "model.embed_tokens.weight"
-        out[prefix + "shared_head.head.weight"] = "lm_head.weight"
-    return out
 
 
 def scale_shape(shape: tuple[int, ...], block: int) -> tuple[int, ...]:
@@ -81,7 +72,8 @@ def verify(headers: Headers, args: ModelArgs) -> list[Problem]:
     present = headers.tensors
     fused = {n for n in present if n.endswith(_FUSED_SUFFIXES)}
     for name in wanted:
-        if name not in present and _fused_source(name) not in fused:
+        lost = headers.lost_with_file(name)  # said once, as its file's problem
+        if name not in present and _fused_source(name) not in fused and not lost:
             problems.append(Problem("missing", name, "this architecture needs it"))
     scales = {n + SCALE_SUFFIX for n in (*wanted, *copies, *fused)}
     known = set(wanted) | set(copies) | fused

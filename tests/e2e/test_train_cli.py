@@ -232,6 +232,7 @@ def test_sharded_export_round_trips_through_init_from(corpus, cache, tmp_path):
     store.load(ckpt, saved)
     for name, value in saved["model"].items():
         assert torch.equal(ours[name], value), name
+    _check_mtp_copies(tmp_path / "fp32", run, corpus, cache)
     # Bad -o: a file, or a folder that already holds a model.
     (tmp_path / "a_file").write_text("x")
     for target, words in ((tmp_path / "a_file", "is a file"), (tmp_path / "fp32", "already holds")):
@@ -249,3 +250,48 @@ def test_fresh_refuses_to_mix_two_runs(corpus, cache, tmp_path):
     again = _train(corpus, cache, tmp_path, "--set", "train.steps=2", "--fresh")
     assert again.code == 1 and "already holds checkpoints" in again.err
     assert (tmp_path / "default" / "checkpoints" / "step-2").exists()  # nothing was lost
+
+
+def _check_mtp_copies(export: Path, run: Path, corpus: Path, cache: Path) -> None:
+    """As DeepSeek's release, the MTP layer (here layer 4 of the debug flavor) holds copies of
+    the embedding and the head; `ckpt verify-hf` accepts the export; a copy that differs from
+    its main tensor is refused at load, naming it."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from dstrain.config.load import load_config
+    from dstrain.errors import UserError
+    from dstrain.train.trainer import Trainer
+
+    weight_map = json.loads((export / "model.safetensors.index.json").read_text())["weight_map"]
+
+    def tensor(name: str) -> torch.Tensor:
+        return load_file(str(export / weight_map[name]))[name]
+
+    copies = {
+        "model.layers.4.embed_tokens.weight": "model.embed_tokens.weight",
+        "model.layers.4.shared_head.head.weight": "lm_head.weight",
+    }
+    for copy, main in copies.items():
+        assert torch.equal(tensor(copy), tensor(main)), copy
+    verified = run_cli("ckpt", "verify-hf", export, "--config", run / "config.toml", "--json")
+    assert verified.code == 0 and verified.json()["ok"], verified.text
+    assert verified.json()["tensors"] == len(weight_map)
+    file = export / weight_map["model.layers.4.shared_head.head.weight"]
+    tensors = load_file(str(file))
+    tensors["model.layers.4.shared_head.head.weight"][7] += 1.0
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    overrides = [
+        f"model.init_from={export}",
+        f"data.source={corpus}",
+        f"data.cache_dir={cache}",
+        f"run.root={run.parent}",
+        "run.name=from_changed_copy",
+        "train.seq_len=32",
+    ]
+    with pytest.raises(UserError) as caught:
+        Trainer(load_config(None, overrides).config)
+    message = caught.value.message
+    assert "model.layers.4.shared_head.head.weight differs from lm_head.weight" in message
+    assert "first row 7" in message and "num_mtp_modules=0" in caught.value.fix
