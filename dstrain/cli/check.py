@@ -35,6 +35,11 @@ The world size comes from --world-size, else --nodes x --gpus-per-node, else the
 cluster.nodes x cluster.gpus_per_node when set (#SBATCH / torchrun flags in a script), else the
 product of explicit parallel degrees. `dstrain check --rules` lists the rules.
 
+With model.init_from set, its Hugging Face folder is checked too, from the safetensors headers
+and the index alone (seconds for DeepSeek-V3's 163 files), and the bytes the first and the last
+rank will read are planned on their real runtimes (`dstrain ckpt verify-hf` covers every
+pipeline position).
+
 examples:
   dstrain check run.toml --world-size 16
   dstrain check ds_config.json --nodes 4 --gpus-per-node 8 --set model.flavor=deepseek-v3

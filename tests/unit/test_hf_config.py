@@ -132,3 +132,44 @@ def test_missing_and_broken_files(tmp_path):
     broken.write_text("{")
     with pytest.raises(UserError, match="not valid JSON"):
         read_hf_config(broken)
+
+
+# ---- the release's config.json fields: honoured, or refused by name ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("moe_layer_freq", 2),
+        ("tie_word_embeddings", True),
+        ("hidden_act", "gelu"),
+        ("rope_interleave", False),
+        ("topk_method", "sinkhorn"),
+    ],
+)
+def test_fields_the_model_cannot_honour_are_refused_by_name(tmp_path, key, value):
+    with pytest.raises(UserError) as caught:
+        read_hf_config(_write(tmp_path, {**V3, key: value}))
+    assert key in caught.value.message and caught.value.fix
+
+
+def test_fields_the_release_sets_are_honoured(tmp_path):
+    from dstrain.config.hf_config import deepseek_notes
+
+    release = {**V3, "moe_layer_freq": 1, "tie_word_embeddings": False, "hidden_act": "silu"}
+    release |= {"seq_aux": True, "ep_size": 1, "aux_loss_alpha": 0.001}
+    args = read_hf_config(_write(tmp_path, release))
+    assert args.aux_loss_alpha == 0.001 and args.seq_aux
+    assert read_hf_config(_write(tmp_path, {**V3, "seq_aux": False})).seq_aux is False
+    # Absent: each generation's paper (and the flavor), said as a note.
+    no_alpha = {k: v for k, v in V3.items() if k != "aux_loss_alpha"}
+    assert read_hf_config(_write(tmp_path, no_alpha)).aux_loss_alpha == 0.0001
+    assert any("no aux_loss_alpha" in n for n in deepseek_notes(no_alpha))
+    v2 = {**no_alpha, "model_type": "deepseek_v2", "scoring_func": "softmax"}
+    v2 |= {"topk_method": "greedy", "n_group": 8, "topk_group": 3}
+    v2_args = read_hf_config(_write(tmp_path, v2))
+    assert v2_args.aux_loss_alpha == 0.001
+    assert (v2_args.n_group, v2_args.topk_group) == (1, 1)  # greedy: groups do not limit
+    assert any("ep_size 8" in n for n in deepseek_notes({**V3, "ep_size": 8}))
+    with pytest.raises(UserError, match="scoring_func"):
+        read_hf_config(_write(tmp_path, {**V3, "scoring_func": "softmax"}))  # noaux_tc: sigmoid

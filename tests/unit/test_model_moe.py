@@ -334,3 +334,26 @@ def test_experts_that_get_no_rows_stay_in_the_autograd_graph(fp8_backend):
     assert out.shape == (0, 128)
     out.float().sum().backward()
     assert delivered.grad is not None and delivered.grad.abs().sum() == 0
+
+
+def test_batch_wise_balance_loss_without_seq_aux():
+    """`seq_aux = false` (a config.json field): DeepSeek-V2's batch form, f and P over every
+    token of the micro-batch at once (its modeling code: fi = E x mean over the B*S*K choices of
+    one_hot(e), Pi = mean over the B*S tokens of the softmax scores), not per sequence."""
+    args = _with(CASES["v2"], aux_loss_alpha=0.01, seq_aux=False)
+    moe, x = _moe(args, torch.float32).train(), _x(args, torch.float32)
+    moe(x)
+    E, K = args.num_routed_experts, args.num_activated_experts
+    hits, p_sum = torch.zeros(E), torch.zeros(E)
+    for b in range(B):
+        for t in range(S):
+            chosen, _, s_E = _route(moe, args, x[b, t].float())
+            hits[list(chosen)] += 1
+            p_sum += s_E
+    f_E = E * hits / (B * S * K)
+    expected = args.aux_loss_alpha * (f_E * p_sum / (B * S)).sum()
+    torch.testing.assert_close(moe.last_aux_loss, expected, rtol=1e-6, atol=0)
+    per_sequence = _moe(_with(args, seq_aux=True), torch.float32).train()
+    per_sequence.load_state_dict(moe.state_dict())
+    per_sequence(x)
+    assert not torch.isclose(per_sequence.last_aux_loss, moe.last_aux_loss, rtol=1e-4)
