@@ -1,6 +1,9 @@
 """Export a run's checkpoint as a Hugging Face model folder: several safetensors files with
 `model.safetensors.index.json` and a `config.json` that `transformers` loads (its `torch_dtype`
-set), in the dtype asked for (bf16 by default, as HF ships).
+set), in the dtype asked for (bf16 by default, as HF ships). `fp8` writes DeepSeek-V3's release
+format: every projection weight (`*_proj*.weight` of attention, dense MLP, shared and routed
+experts) in E4M3 with `weight_scale_inv`, one fp32 scale per 128 x 128 block (amax / 448), the
+rest (embedding, head, norms, router, `eh_proj`) in bf16, `quantization_config` in config.json.
 
 Streamed: the checkpoint's tensors are read from DCP a file's worth at a time (`dcp.load` of just
 those keys), converted, split per expert and written, so the host holds about one output file,
@@ -23,9 +26,23 @@ from dstrain.config.load import load_config
 from dstrain.config.model_args import ModelArgs
 from dstrain.config.validate import raise_if_errors
 from dstrain.errors import UserError
+from dstrain.model.fp8 import quantize_blocks
 from dstrain.model.hf_adapter import check_exportable, hf_config, to_hf, with_mtp_copies
+from dstrain.model.hf_verify import SCALE_SUFFIX
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "fp8": torch.float8_e4m3fn,  # the projections; the rest bf16 (module docstring)
+}
+TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "bfloat16"}
+FP8_CONFIG = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}
 INDEX = "model.safetensors.index.json"
 SKIPPED = ("tokens_per_expert", "last_aux_loss")  # buffers that are not weights
 
@@ -70,9 +87,9 @@ def export_hf(
             progress(done, len(tensors))
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    config = hf_config(args) | {
-        "torch_dtype": {"bf16": "bfloat16", "fp16": "float16"}.get(dtype, "float32")
-    }
+    config = hf_config(args) | {"torch_dtype": TORCH_DTYPE[dtype]}
+    if dtype == "fp8":
+        config["quantization_config"] = FP8_CONFIG
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return Exported(ckpt, out_dir, len(files), len(weight_map), total, dtype)
 
@@ -140,13 +157,35 @@ def _write_file(
     out = {}
     for name in names:
         value = state["model"].pop(name)
-        # Balancing biases stay fp32, as DeepSeek's release keeps them.
-        cast = value if name.endswith("expert_bias") else value.to(dtype)
-        out.update(with_mtp_copies(to_hf({name: cast}, args), args))
+        for hf_name, tensor in with_mtp_copies(to_hf({name: value}, args), args).items():
+            out.update(_stored(hf_name, tensor, dtype))
     tmp = path.with_suffix(".tmp")
     save_file(out, str(tmp), metadata={"format": "pt"})
     tmp.replace(path)
     return {name: t.numel() * t.element_size() for name, t in out.items()}
+
+
+def _stored(name: str, value: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One HF tensor as the release stores it in `dtype`: balancing biases stay fp32 (as
+    DeepSeek's release keeps them); in FP8, projections become E4M3 and their block scales."""
+    if name.endswith("e_score_correction_bias"):
+        return {name: value}
+    if dtype != torch.float8_e4m3fn:
+        return {name: value.to(dtype)}
+    if not is_fp8_projection(name):
+        return {name: value.to(torch.bfloat16)}
+    q = quantize_blocks(value.float())
+    data = q.data[:, : q.cols].contiguous()  # the K padding to whole blocks is not stored
+    return {name: data, name + SCALE_SUFFIX: q.scale.contiguous()}
+
+
+def is_fp8_projection(name: str) -> bool:
+    """The tensors DeepSeek-V3's release stores in E4M3: every projection (`q_a_proj`, ...,
+    `kv_a_proj_with_mqa`, `gate_proj`, ...) but the MTP's `eh_proj`."""
+    if not name.endswith(".weight"):
+        return False
+    module = name.removesuffix(".weight").rsplit(".", 1)[-1]
+    return "_proj" in module and module != "eh_proj"
 
 
 def _check_output(out_dir: Path) -> None:

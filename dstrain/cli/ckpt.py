@@ -74,10 +74,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     export.add_argument("-o", "--output", type=Path, required=True, help="folder to write")
     export.add_argument(
         "--dtype",
-        choices=("bf16", "fp16", "fp32"),
+        choices=("bf16", "fp16", "fp32", "fp8"),
         default="bf16",
         help="the weights' dtype (default bf16, as Hugging Face models ship; fp32 round-trips "
-        "bit for bit)",
+        "bit for bit; fp8 is DeepSeek-V3's release format: E4M3 projections with 128 x 128 "
+        "block scales, the rest bf16)",
     )
     export.add_argument(
         "--shard-size",

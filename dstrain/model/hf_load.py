@@ -15,8 +15,12 @@ FP8 (DeepSeek-V3's release): an `X.weight` in e4m3 with `X.weight_scale_inv`, on
 128 x 128 block (the last blocks of a row or column may be partial: the scale grid is
 ceil(rows/128) x ceil(cols/128)); dequantised as w = q x scale_inv of its block, in fp32.
 
-Every tensor is accounted for, against the names the architecture implies (`expected`): a
-missing, extra or mis-shaped tensor is an error naming it and the fix; nothing is dropped.
+The folder is known from its headers (`hf_files.py`) and judged before anything is read
+(`hf_verify.py`): a missing, extra, mis-shaped or wrongly typed tensor, a bad block scale or a
+damaged file is one error naming each; nothing is dropped. The MTP layers' copies of the
+embedding and the head are compared with the main tensors on each rank's box (`_compare_copy`).
+`HFCheckpoint(read_data=False)` runs the same loader as a plan: the bytes and files each rank's
+load reads, for the pre-launch check.
 """
 
 import re

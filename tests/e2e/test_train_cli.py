@@ -295,3 +295,58 @@ def _check_mtp_copies(export: Path, run: Path, corpus: Path, cache: Path) -> Non
     message = caught.value.message
     assert "model.layers.4.shared_head.head.weight differs from lm_head.weight" in message
     assert "first row 7" in message and "num_mtp_modules=0" in caught.value.fix
+
+
+def test_fp8_export_is_the_release_format_and_loads_back(corpus, cache, tmp_path):
+    """`--dtype fp8` writes exactly the names, dtypes and shapes DeepSeek-V3's release holds for
+    this architecture (judged by `tests/release_replica.py`, built from the release's facts, not
+    from dstrain), `verify-hf` accepts it, and `init_from` reads back the dequantised weights,
+    which quantise again to the very bytes written."""
+    import json
+
+    from safetensors import safe_open
+
+    from dstrain.checkpoint.export import _locate
+    from dstrain.config.load import load_config
+    from dstrain.model.fp8 import dequantize, quantize_blocks
+    from dstrain.train.trainer import Trainer
+    from tests.release_replica import tensors_for_config
+
+    assert _train(corpus, cache, tmp_path, "--set", "train.steps=2").code == 0
+    run, out = tmp_path / "default", tmp_path / "fp8"
+    exported = run_cli("ckpt", "export-hf", run, "-o", out, "--dtype", "fp8", "--json")
+    assert exported.code == 0, exported.text
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    written = {}
+    for file in out.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118
+                part = handle.get_slice(name)
+                written[name] = (part.get_dtype(), tuple(part.get_shape()))
+    assert written == tensors_for_config(config)
+    verified = run_cli("ckpt", "verify-hf", out, "--config", run / "config.toml")
+    assert verified.code == 0, verified.text
+    trainer = Trainer(
+        load_config(
+            None,
+            [
+                f"model.init_from={out}",
+                f"data.source={corpus}",
+                f"data.cache_dir={cache}",
+                f"run.root={tmp_path}",
+                "run.name=from_fp8",
+                "train.seq_len=32",
+            ],
+        ).config
+    )
+    assert trainer.init_from is not None
+    name = "layers.1.attention.wkv_a.weight"
+    original = {"model": {name: torch.empty(trainer.model.state_dict()[name].shape)}}
+    store.load(_locate(run)[1], original)
+    loaded = trainer.model.state_dict()[name]
+    q = quantize_blocks(original["model"][name])
+    assert torch.equal(loaded, dequantize(q))  # the FP8 values, exactly
+    again = quantize_blocks(loaded)
+    assert torch.equal(again.data.view(torch.uint8), q.data.view(torch.uint8))
+    assert torch.equal(again.scale, q.scale)
