@@ -85,11 +85,16 @@ _FIXED = {
     "rope_interleave": True,  # RoPE on interleaved pairs, the release's weight order
 }
 # topk_method -> (the score function it implies, whether groups limit the choice)
-_TOPK_METHODS = {"noaux_tc": ("sigmoid", True), "group_limited_greedy": ("softmax", True),
-                 "greedy": (None, False)}  # fmt: skip
-# The balance-loss weight when config.json has none: each generation's own paper (V3 section
-# 4.2: 1e-4, as the deepseek-v3 flavor; V2: 0.001, as V2's config.json).
-_AUX_DEFAULT = {"deepseek_v3": 0.0001, "deepseek_v2": 0.001}
+_TOPK_METHODS = {
+    "noaux_tc": ("sigmoid", True),
+    "group_limited_greedy": ("softmax", True),
+    "greedy": (None, False),
+}
+# The balance-loss weight when config.json has none, and where it comes from.
+_AUX_DEFAULT = {
+    "deepseek_v3": (0.0001, "the V3 paper's (section 4.2), as the deepseek-v3 flavor"),
+    "deepseek_v2": (0.001, "DeepSeek-V2's and V2-Lite's released config.json"),
+}
 
 
 def _refuse_unsupported(k: _Keys) -> None:
@@ -126,9 +131,10 @@ def deepseek_notes(data: dict[str, Any]) -> list[str]:
     notes = []
     kind = str(data.get("model_type", ""))
     if kind in _AUX_DEFAULT and data.get("aux_loss_alpha") is None:
+        value, source = _AUX_DEFAULT[kind]
         notes.append(
-            f"config.json has no aux_loss_alpha: the balance loss weighs {_AUX_DEFAULT[kind]} "
-            f"(the {kind} paper's; set model.aux_loss_alpha to change it)"
+            f"config.json has no aux_loss_alpha: the balance loss weighs {value} ({source}; "
+            "set model.aux_loss_alpha to change it)"
         )
     ep = data.get("ep_size")
     if ep not in (None, 1):
@@ -169,7 +175,7 @@ def _deepseek(k: _Keys) -> dict[str, Any]:
         "score_func": k.get("scoring_func", "sigmoid" if v3 else "softmax"),
         "route_scale": k.get("routed_scaling_factor", 1.0),
         "norm_topk_prob": k.get("norm_topk_prob", False),
-        "aux_loss_alpha": k.get("aux_loss_alpha", _AUX_DEFAULT.get(kind, 0.0)),
+        "aux_loss_alpha": k.get("aux_loss_alpha", _AUX_DEFAULT.get(kind, (0.0, ""))[0]),
         "seq_aux": k.get("seq_aux", True),
         "bias_update_speed": 0.001 if v3 or k.get("topk_method", "") == "noaux_tc" else 0.0,
         "num_mtp_modules": k.get("num_nextn_predict_layers", 0),

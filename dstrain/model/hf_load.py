@@ -34,7 +34,7 @@ from torch import nn
 from dstrain.config.model_args import ModelArgs
 from dstrain.errors import UserError
 from dstrain.model.hf_adapter import mtp_copies, to_hf
-from dstrain.model.hf_files import FP8, INDEX, Headers, Problem, TensorEntry, read_headers
+from dstrain.model.hf_files import FP8, INDEX, Headers, TensorEntry, read_headers
 from dstrain.model.hf_verify import (
     SCALE_SUFFIX,
     block_size,
@@ -134,14 +134,10 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
-def problems(checkpoint: HFCheckpoint, args: ModelArgs) -> list[Problem]:
-    return verify(checkpoint.headers, args)
-
-
 def check(checkpoint: HFCheckpoint, args: ModelArgs) -> None:
     """Every tensor the architecture needs is there with its shape and a dtype the loader reads,
     and nothing else is; else one message naming every problem."""
-    found = problems(checkpoint, args)
+    found = verify(checkpoint.headers, args)
     if found:
         raise UserError(
             f"model.init_from: {checkpoint.folder} does not fit this model:\n  {summary(found)}",

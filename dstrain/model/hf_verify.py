@@ -158,11 +158,15 @@ def summary(problems: list[Problem]) -> str:
         found = by_kind.get(kind)
         if not found:
             continue
-        shown = "; ".join(str(p) if p.kind not in ("missing", "extra") else p.name
-                          for p in found[:MAX_LISTED])  # fmt: skip
+        shown = "; ".join(_said(p) for p in found[:MAX_LISTED])
         more = f" and {len(found) - MAX_LISTED} more" if len(found) > MAX_LISTED else ""
         lines.append(f"{len(found)} {title}: {shown}{more}")
     return "\n  ".join(lines)
+
+
+def _said(problem: Problem) -> str:
+    """A missing or extra tensor by its name alone; the rest with what is wrong."""
+    return problem.name if problem.kind in ("missing", "extra") else str(problem)
 
 
 def fix_for(problems: list[Problem], args: ModelArgs) -> str:
