@@ -8,9 +8,14 @@ MLA (DeepSeek-V2 section 2.1): queries go through a low-rank bottleneck (wq_a ->
 or one projection wq when q_lora_rank = 0; keys and values come from one shared latent c_KV
 (wkv_a -> kv_norm -> wkv_b), plus a decoupled RoPE key shared by all heads. Heads are reshaped
 with `view(B, S, -1, head_dim)`, so a TP-sharded wq_b/wkv_b (fewer local heads) just works.
+
+Context parallelism (`context`, set by `parallel/context_parallel.py`): x holds this rank's part
+of the sequence; MLA gathers each token's latent and rotated RoPE key from the cp group and
+up-projects the whole sequence's keys and values locally; MHA gathers its rotated keys and its
+values. Queries stay local; the mask is causal by global position.
 """
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +27,19 @@ from dstrain.model.norm import RMSNorm
 from dstrain.model.rope import apply_rope, softmax_scale
 
 
+class SequenceShard(Protocol):
+    """What attention needs of context parallelism (`parallel/context_parallel.ContextShard`)."""
+
+    def positions(self, local_len: int, device: torch.device | str = "cpu") -> torch.Tensor: ...
+
+    def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor: ...
+
+    def causal_mask(self, local_len: int, device: torch.device | str = "cpu") -> torch.Tensor: ...
+
+
 class MLA(nn.Module):
+    context: SequenceShard | None = None  # context parallelism (module docstring)
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.q_lora_rank = args.q_lora_rank
@@ -51,10 +68,17 @@ class MLA(nn.Module):
         q_BSHK = q.view(B, S, -1, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q_BSHK.split([self.nope_dim, self.rope_dim], dim=-1)
         kv_BSC, k_rope_BSP = self.wkv_a(x_BSD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.wkv_b(self.kv_norm(kv_BSC)).view(B, S, -1, self.nope_dim + self.v_dim)
+        k_rope_BSP = apply_rope(k_rope_BSP.unsqueeze(2), cos, sin).squeeze(2)
+        if self.context is not None:  # every rank's latents: [B, S x cp, C + P]
+            latent = self.context.gather(torch.cat([kv_BSC, k_rope_BSP], dim=-1))
+            kv_BSC, k_rope_BSP = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+            mask = self.context.causal_mask(S, x_BSD.device)
+        kv = self.wkv_b(self.kv_norm(kv_BSC)).view(
+            B, kv_BSC.size(1), -1, self.nope_dim + self.v_dim
+        )
         k_nope, v_BSHV = kv.split([self.nope_dim, self.v_dim], dim=-1)
         q_rope = apply_rope(q_rope, cos, sin)
-        k_rope = apply_rope(k_rope_BSP.unsqueeze(2), cos, sin).expand(-1, -1, k_nope.size(2), -1)
+        k_rope = k_rope_BSP.unsqueeze(2).expand(-1, -1, k_nope.size(2), -1)
         q_BSHK = torch.cat([q_nope, q_rope], dim=-1)
         k_BSHK = torch.cat([k_nope, k_rope], dim=-1)
         out = _causal_attention(q_BSHK, k_BSHK, v_BSHV, self.scale, mask)
@@ -64,6 +88,8 @@ class MLA(nn.Module):
 class MHA(nn.Module):
     """Multi-head attention with optional grouped-query key/value heads and RoPE on full heads
     (interleaved pairs, as DeepSeek-LLM/MoE checkpoints are converted for here)."""
+
+    context: SequenceShard | None = None  # context parallelism (module docstring)
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -82,6 +108,9 @@ class MHA(nn.Module):
         q = apply_rope(self.wq(x_BSD).view(B, S, -1, self.head_dim), cos, sin)
         k = apply_rope(self.wk(x_BSD).view(B, S, -1, self.head_dim), cos, sin)
         v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
+        if self.context is not None:  # every rank's keys and values: [B, S x cp, Hkv, K]
+            k, v = self.context.gather(k), self.context.gather(v)
+            mask = self.context.causal_mask(S, x_BSD.device)
         groups = q.size(2) // k.size(2)
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dstrain.config.model_args import ModelArgs
-from dstrain.model.attention import build_attention
+from dstrain.model.attention import SequenceShard, build_attention
 from dstrain.model.documents import DocumentMask
 from dstrain.model.ffn import FeedForward
 from dstrain.model.init import init_parameters
@@ -69,6 +69,9 @@ class MTPModule(nn.Module):
 
 
 class Transformer(nn.Module):
+    # Context parallelism: this rank's part of every sequence (`parallel/context_parallel.py`).
+    context: SequenceShard | None = None
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
@@ -104,7 +107,7 @@ class Transformer(nn.Module):
         """
         h = self.embed(tokens) if self.embed is not None else tokens
         docs = None if documents is None else DocumentMask.of(documents[:, : tokens.size(1)])
-        cos, sin = self.rope(h.size(1), None if docs is None else docs.positions)
+        cos, sin = self.rope(h.size(1), self._positions(h, docs))
         mask = {} if docs is None else {"mask": docs.mask}
         for layer in self.layers.values():
             h = layer(h, cos, sin, **mask)
@@ -116,6 +119,13 @@ class Transformer(nn.Module):
         if next_tokens is None:
             next_tokens = tokens[:, 1:]
         return (logits, *self._mtp_logits(h, next_tokens[:, : h.size(1) - 1], docs))
+
+    def _positions(self, h: torch.Tensor, docs: DocumentMask | None) -> torch.Tensor | None:
+        """Each token's RoPE position [B, S]: its place in its document, or in the sequence of
+        which this rank holds a part (context parallelism); None: 0..S-1."""
+        if self.context is not None:
+            return self.context.positions(h.size(1), h.device).expand(h.size(0), -1)
+        return None if docs is None else docs.positions
 
     def _mtp_logits(
         self, h: torch.Tensor, next_tokens: torch.Tensor, docs: DocumentMask | None

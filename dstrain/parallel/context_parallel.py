@@ -1,0 +1,91 @@
+"""Context parallelism (`parallel.cp`): each sequence split over the cp ranks, attention over the
+whole sequence by gathering what each token contributes to the keys and values.
+
+Layout (load balance): a sequence of S tokens is cut into 2N chunks of S / 2N; cp rank r holds
+chunks r and 2N-1-r, side by side (torch's head-tail order, `_HeadTailLoadBalancer`). Under a
+causal mask the queries of chunk c see c + 1/2 chunks of keys, so every rank's two chunks see
+(r + 1/2) + (2N - 1 - r + 1/2) = 2N chunks: the same attention work on every rank.
+
+Attention: all-gather, not a ring. MLA's keys and values are functions of a per-token latent,
+kv_lora_rank + qk_rope_head_dim values (576 in DeepSeek-V3) against heads x (qk + v head dims)
+for the full keys and values (40,960): each rank gathers the latent (the RoPE key already
+rotated at its tokens' own positions), then runs `kv_norm` and `wkv_b` on the whole sequence
+locally. The gather is torch's autograd-aware functional collective, whose backward is the
+reduce-scatter of the latent's gradient: each rank gets back the gradient of its own tokens'
+latents, summed over the ranks whose queries used them.
+
+Why not torch's own context-parallel API (`torch.distributed.tensor.experimental
+.context_parallel`): it rotates full K and V around a ring inside SDPA's CUDA kernels (flash,
+efficient, cuDNN); MLA's latent never reaches SDPA, the ring has no hook to send it instead, and
+the CPU's SDPA kernels are not among those it patches. The load-balanced order is torch's.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import all_gather_tensor_autograd
+
+
+@dataclass(frozen=True)
+class ContextShard:
+    """This rank's place in its cp group: `size` ranks, this one `rank`."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+
+    def positions(self, local_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The global positions [L] of this rank's `local_len` tokens (its two chunks)."""
+        return _chunk_positions(self.rank, self.size, local_len, device)
+
+    def all_positions(self, local_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The positions [L x size] of every rank's tokens, in the order `gather` lays them."""
+        return torch.cat(
+            [_chunk_positions(r, self.size, local_len, device) for r in range(self.size)]
+        )
+
+    def split(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's two chunks of a whole sequence along `dim` (tokens, labels)."""
+        length = x.size(dim)
+        if length % (2 * self.size):
+            raise ValueError(f"sequence of {length} does not split into 2 x cp={self.size} chunks")
+        index = self.positions(length // self.size, x.device)
+        return x.index_select(dim, index)
+
+    def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Every rank's tokens of `x` along `dim`, rank by rank (`all_positions`' order); its
+        backward reduce-scatters the gradient back to each rank's own tokens."""
+        if self.size == 1:
+            return x
+        return all_gather_tensor_autograd(x.contiguous(), gather_dim=dim, group=self.group)
+
+    def causal_mask(self, local_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[1, 1, L, L x size] bool: this rank's queries against the gathered keys, causal by
+        global position."""
+        q = self.positions(local_len, device)
+        k = self.all_positions(local_len, device)
+        return (q[:, None] >= k[None, :])[None, None]
+
+
+def _chunk_positions(
+    rank: int, size: int, local_len: int, device: torch.device | str
+) -> torch.Tensor:
+    if local_len % 2:
+        raise ValueError(f"{local_len} local tokens do not make two equal chunks")
+    chunk = local_len // 2
+    head = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    tail_start = (2 * size - 1 - rank) * chunk
+    tail = torch.arange(tail_start, tail_start + chunk, device=device)
+    return torch.cat([head, tail])
+
+
+def apply_context_parallel(model: torch.nn.Module, shard: ContextShard) -> None:
+    """Make `model` (a Transformer, or a pipeline stage's chunk of one) run on this rank's part
+    of each sequence: its RoPE positions and every attention module's gather and mask."""
+    from dstrain.model.attention import MHA, MLA
+    from dstrain.model.transformer import Transformer
+
+    for module in model.modules():
+        if isinstance(module, Transformer | MLA | MHA):
+            module.context = shard
