@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_gather_tensor_autograd
+from torch.distributed._functional_collectives import all_gather_single_autograd
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class ContextShard:
         backward reduce-scatters the gradient back to each rank's own tokens."""
         if self.size == 1:
             return x
-        return all_gather_tensor_autograd(x.contiguous(), gather_dim=dim, group=self.group)
+        return all_gather_single_autograd(x.contiguous(), gather_dim=dim, group=self.group)
 
     def causal_mask(self, local_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """[1, 1, L, L x size] bool: this rank's queries against the gathered keys, causal by
