@@ -119,16 +119,23 @@ class ParallelDims:
         return None
 
     def _check_cp(self) -> Finding | None:
-        return context_parallel_limit(self.cp)
+        return context_parallel_limit(self.cp, self.tp, self.pp, self.ep, self.dp_replicate)
 
 
-def context_parallel_limit(cp: int) -> Finding | None:
-    """The trainer has no context parallelism yet (known without the world size)."""
-    if cp > 1:
+def context_parallel_limit(
+    cp: int, tp: int = 1, pp: int = 1, ep: int = 1, dp_replicate: int = 1
+) -> Finding | None:
+    """What the trainer's context parallelism does not combine with yet (known from the degrees
+    alone): it runs with dp_shard (FSDP/ZeRO over dp_shard x cp) and DDP."""
+    others = {"tp": tp, "pp": pp, "ep": ep, "dp_replicate": dp_replicate}
+    with_cp = [f"{axis}={n}" for axis, n in others.items() if n > 1]
+    if cp > 1 and with_cp:
         return trainer_limit(
             "parallel.cp",
-            f"cp={cp}: context parallelism is reserved and not built yet",
-            "set parallel.cp = 1 (use tp with sequence_parallel for long sequences)",
+            f"cp={cp} with {', '.join(with_cp)}: the trainer's context parallelism combines "
+            "with dp_shard (ZeRO-0/1/2/3) only, so far",
+            "set parallel.cp = 1 (tp with sequence_parallel also cuts long sequences), or "
+            f"keep cp and set {', '.join(a + ' = 1' for a in with_cp)}",
         )
     return None
 

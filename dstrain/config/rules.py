@@ -80,7 +80,8 @@ def rule_world_size(t: CheckTarget) -> Iterable[Finding]:
             "pass --world-size N (or --nodes N --gpus-per-node G), or set cluster.nodes/"
             "cluster.gpus_per_node",
         )
-        if cp := context_parallel_limit(t.config.parallel.cp):
+        p = t.config.parallel
+        if cp := context_parallel_limit(p.cp, p.tp, p.pp, p.ep, p.dp_replicate):
             yield cp
         return
     problems = dims.validate()
@@ -558,6 +559,44 @@ def rule_data(t: CheckTarget) -> Iterable[Finding]:
         )
 
 
+def rule_context_parallel(t: CheckTarget) -> Iterable[Finding]:
+    """Context parallelism: the sequence splits into 2 x cp equal chunks, and what reads a whole
+    sequence at once (MTP's shifted tokens, the sequence-wise balance loss) is refused until it
+    is built across the chunks."""
+    c, m = t.config, t.model
+    cp = c.parallel.cp
+    if cp == 1:
+        return
+    if c.train.seq_len % (2 * cp):
+        fits = c.train.seq_len - c.train.seq_len % (2 * cp)
+        yield error(
+            "train.seq_len",
+            f"seq_len {c.train.seq_len} does not split into 2 x cp = {2 * cp} equal chunks "
+            "(each cp rank holds two: one early, one late, for equal causal work)",
+            f"set train.seq_len to a multiple of {2 * cp}, e.g. {fits or 2 * cp}",
+        )
+    if m is not None and m.num_mtp_modules:
+        yield trainer_limit(
+            "model.num_mtp_modules",
+            f"multi-token prediction with context parallelism (cp = {cp}): its shifted tokens "
+            "cross the cp ranks' chunks, which is not built yet",
+            "set model.num_mtp_modules = 0, or parallel.cp = 1",
+        )
+    if m is not None and m.aux_loss_alpha > 0 and m.num_routed_experts:
+        yield trainer_limit(
+            "model.aux_loss_alpha",
+            f"the sequence-wise balance loss with context parallelism (cp = {cp}): its "
+            "statistics need every token of a sequence, which the cp ranks split",
+            "set model.aux_loss_alpha = 0 (the balancing bias still balances), or parallel.cp = 1",
+        )
+    if c.train.compile:
+        yield trainer_limit(
+            "train.compile",
+            f"torch.compile with context parallelism (cp = {cp}) is not tested yet",
+            "set train.compile = false, or parallel.cp = 1",
+        )
+
+
 def rule_cluster(t: CheckTarget) -> Iterable[Finding]:
     """The GPU and network names are in the hardware table; timeouts suit the scale."""
     c = t.config.cluster
@@ -631,6 +670,7 @@ RULES: list[Rule] = [
     rule_model,
     rule_paths,
     rule_data,
+    rule_context_parallel,
     rule_cluster,
     rule_metrics,
 ]

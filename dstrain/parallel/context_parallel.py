@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_gather_single_autograd
 
+from dstrain.parallel.mesh import Meshes
+
 
 @dataclass(frozen=True)
 class ContextShard:
@@ -78,6 +80,14 @@ def _chunk_positions(
     tail_start = (2 * size - 1 - rank) * chunk
     tail = torch.arange(tail_start, tail_start + chunk, device=device)
     return torch.cat([head, tail])
+
+
+def context_shard(meshes: Meshes | None) -> ContextShard | None:
+    """This rank's cp group, None without context parallelism."""
+    if meshes is None or meshes.dims.cp == 1:
+        return None
+    mesh = meshes["cp"]
+    return ContextShard(mesh.get_group(), mesh.size(), mesh.get_local_rank())
 
 
 def apply_context_parallel(model: torch.nn.Module, shard: ContextShard) -> None:

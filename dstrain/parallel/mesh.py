@@ -10,7 +10,8 @@ tensor-parallel group is consecutive ranks (on one node). The same world is view
 `ep` takes the innermost ep ranks of the dp_shard x cp x tp block (the folding rule of
 `ParallelDims`); the remaining `efsdp` ranks (times dp_replicate: `edp`) hold the same experts.
 Named views: `dp` (replicate x shard: ranks with different data), `dp_shard_cp` (FSDP's shard
-axis), `edp` (ranks holding the same experts).
+axis), `dp_cp` (ranks with different target tokens: different data, or other parts of the same
+sequences), `edp` (ranks holding the same experts).
 """
 
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ class Meshes:
     timeout: timedelta | None = None  # every group's (comm.timeout_s); None: torch's defaults
 
     def __getitem__(self, name: str) -> DeviceMesh:
-        """A named 1-D view: any dense axis, `dp`, `dp_shard_cp`, `efsdp` or `ep`."""
+        """A named 1-D view: any dense axis, `dp`, `dp_shard_cp`, `dp_cp`, `efsdp` or `ep`."""
         if name in self.flat:
             return self.flat[name]
         if name in ("efsdp", "ep"):
@@ -56,6 +57,8 @@ def build_meshes(dims: ParallelDims, device_type: str, timeout: timedelta | None
     flat = {
         "dp": dense["dp_replicate", "dp_shard"]._flatten("dp"),
         "dp_shard_cp": dense["dp_shard", "cp"]._flatten("dp_shard_cp"),
+        # Ranks with disjoint target tokens (data x context parallel): losses and counts sum here.
+        "dp_cp": dense["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
         # Ranks holding the same experts: their expert gradients are summed over this.
         "edp": sparse["dp_replicate", "efsdp"]._flatten("edp"),
     }

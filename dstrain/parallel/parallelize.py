@@ -1,7 +1,8 @@
 """parallelize_model: the one place that turns the single-device model into the one that trains.
 
 Fixed order (torchtitan's), each step for a reason:
-0. FP8 conversion (train.precision = fp8): it swaps the classes of the linears that TP's styles
+0. context parallelism (parallel.cp): the model runs on this rank's part of each sequence;
+   FP8 conversion (train.precision = fp8): it swaps the classes of the linears that TP's styles
    and FSDP then wrap, and under TP gives the sharded ones their local-shard forward;
 1. tensor parallelism first: it changes module shapes and placements (and, with
    parallel.moe_tp = split_tokens, gives each MoE its tp rank's share of the tokens);
@@ -24,6 +25,7 @@ from dstrain.model.fp8_linear import apply_fp8
 from dstrain.model.hf_load import HFCheckpoint
 from dstrain.model.transformer import Transformer
 from dstrain.parallel.activation_checkpoint import apply_ac
+from dstrain.parallel.context_parallel import apply_context_parallel, context_shard
 from dstrain.parallel.data_parallel import apply_ddp, apply_fsdp, apply_fsdp_experts
 from dstrain.parallel.expert_parallel import ExpertParallelExperts, apply_ep, expert_parameters
 from dstrain.parallel.fp8_tp import apply_fp8_tp
@@ -46,6 +48,8 @@ def parallelize_model(
     given). `device=None` leaves the parameters as they are: on meta for a dry run, or a model
     that was materialised already. Returns the module to train (DDP wraps)."""
     dims = meshes.dims if meshes is not None else None
+    if dims is not None and dims.cp > 1:
+        apply_context_parallel(model, context_shard(meshes))
     if config.train.precision == "fp8":
         apply_fp8(model, choose_backend(config.train.fp8_backend, device))
     if dims is not None and dims.tp > 1:
@@ -59,7 +63,7 @@ def parallelize_model(
     apply_ac(model, mode=config.train.activation_checkpoint, split_backward=split)
     if config.train.compile:
         apply_compile(model)
-    data_parallel = dims is not None and dims.dp > 1
+    data_parallel = dims is not None and dims.dp * dims.cp > 1
     if data_parallel and config.parallel.zero_stage >= 1:
         _apply_fsdp(model, config, meshes)
     if device is not None:
@@ -68,7 +72,8 @@ def parallelize_model(
         if any(param.is_meta for param in model.parameters()):
             return model  # a dry run: DDP needs real tensors (the dry run counts its buckets)
         experts = [name for name, _ in expert_parameters(model)]
-        return apply_ddp(model, meshes["dp"], config.comm, ignored=experts)
+        mesh = meshes["dp_cp"] if dims.cp > 1 else meshes["dp"]
+        return apply_ddp(model, mesh, config.comm, ignored=experts)
     return model
 
 
@@ -88,7 +93,9 @@ def _apply_fsdp(model: Transformer, config: DstrainConfig, meshes: Meshes) -> No
             param_dtype=param_dtype,
         )
         experts = {}  # now FSDP-managed: the blocks' fully_shard skips them
-    mesh = meshes.dense["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else meshes["dp_shard"]
+    # Context-parallel ranks shard the weights with dp_shard (torchtitan's dp_shard_cp).
+    shard = meshes["dp_shard_cp"] if dims.cp > 1 else meshes["dp_shard"]
+    mesh = meshes.dense["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else shard
     apply_fsdp(
         model,
         mesh,

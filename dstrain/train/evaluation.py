@@ -19,6 +19,7 @@ import torch
 from dstrain.config.schema import EvalConfig
 from dstrain.data.loader import TokenDataset
 from dstrain.model.moe import Router
+from dstrain.parallel.context_parallel import ContextShard
 from dstrain.parallel.pipeline import Pipeline
 from dstrain.parallel.pipeline_eval import forward_only
 from dstrain.train.loss import (
@@ -64,8 +65,10 @@ class Evaluator:
         pipeline: Pipeline | None,
         dp: DataParallel,
         precision: str,
+        context: ContextShard | None = None,
     ) -> dict[str, float]:
-        """eval/loss, eval/ppl and eval/tokens over the split's first `batches` batches."""
+        """eval/loss, eval/ppl and eval/tokens over the split's first `batches` batches
+        (`context`: this rank's part of each sequence, as the training step cuts it)."""
         device = next(model.parameters()).device
         counters = {
             r: r.tokens_per_expert.clone() for r in model.modules() if isinstance(r, Router)
@@ -80,7 +83,7 @@ class Evaluator:
                     totals += (
                         _pipeline_sums(pipeline, micro, device)
                         if pipeline is not None
-                        else _sums(model, micro, self.document_eos)
+                        else _sums(model, micro, self.document_eos, context)
                     )
         finally:
             model.train(was_training)
@@ -101,13 +104,21 @@ class Evaluator:
         return list(stacked.split(s.micro_batch_size))
 
 
-def _sums(model: torch.nn.Module, micro: list[torch.Tensor], eos: int | None) -> torch.Tensor:
+def _sums(
+    model: torch.nn.Module,
+    micro: list[torch.Tensor],
+    eos: int | None,
+    context: ContextShard | None = None,
+) -> torch.Tensor:
     out = torch.zeros(2, dtype=torch.float64, device=micro[0].device)
     for mb in micro:
         docs = None if eos is None else documents_of(mb, eos)
-        outputs = model(inputs_of(mb), **({} if docs is None else {"documents": docs}))
+        inputs, labels = inputs_of(mb), labels_of(mb)
+        if context is not None:  # no document masking under cp (the check refuses it)
+            inputs, labels = context.split(inputs), context.split(labels)
+        outputs = model(inputs, **({} if docs is None else {"documents": docs}))
         logits = outputs[0] if isinstance(outputs, tuple) else outputs
-        out += _ce_and_count(logits, depth_labels(labels_of(mb), 0, docs))
+        out += _ce_and_count(logits, depth_labels(labels, 0, docs))
     return out
 
 

@@ -99,10 +99,13 @@ def _mesh_device(world: World) -> str:
 def _data_parallel(
     config: DstrainConfig, dims: ParallelDims, meshes: Meshes | None
 ) -> DataParallel:
-    if meshes is None or dims.dp == 1:
+    """The ranks whose target tokens differ: the data-parallel ones, times the context-parallel
+    ones (which hold other parts of the same sequences)."""
+    if meshes is None or dims.dp * dims.cp == 1:
         return DataParallel()
     zero1 = config.parallel.zero_stage == 1
-    return DataParallel(meshes["dp"].get_group(), dims.dp, defer_sync=zero1)
+    mesh = meshes["dp_cp"] if dims.cp > 1 else meshes["dp"]
+    return DataParallel(mesh.get_group(), dims.dp * dims.cp, defer_sync=zero1)
 
 
 def _batch(config: DstrainConfig, dims: ParallelDims) -> BatchPlan:

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from dstrain.metrics.probes import NO_PROBES, Probes
 from dstrain.model.moe import MoE, Router
+from dstrain.parallel.context_parallel import ContextShard
 from dstrain.train.agreement import agree
 from dstrain.train.loss import TokenCounts, documents_of, inputs_of, labels_of, loss_terms
 from dstrain.train.loss_scale import LossScaler
@@ -81,19 +82,22 @@ def train_step(
     probes: Probes = NO_PROBES,
     preempting: bool = False,
     document_eos: int | None = None,
+    context: ContextShard | None = None,
 ) -> StepResult:
     """`finish_grads` runs after the last backward, before clipping: the gradient reductions the
     DP wrappers do not do (expert-parallel experts). `guard(loss, grad_norm)` may refuse the
     update (the numerics guard). `probes` time the phases and the collectives. `preempting`:
     this rank got SIGTERM (the result says whether any rank did). `document_eos`: the EOS id
-    under document masking (None: off)."""
+    under document masking (None: off). `context`: this rank's part of each sequence (context
+    parallelism; `dp` then spans the cp ranks too, whose target tokens differ)."""
     device = next(model.parameters()).device
+    part = context.split if context is not None else _whole
     # Counted on the host, before the copy: no device sync for the divisors of the loss.
-    host_labels = [labels_of(mb) for mb in micro_batches]
+    host_labels = [part(labels_of(mb)) for mb in micro_batches]
     host_docs = document_ids(micro_batches, document_eos)
     counts = global_counts(host_labels, num_mtp, dp, device, host_docs)
     micro_batches = [to_device(mb, device) for mb in micro_batches]
-    labels = [labels_of(mb) for mb in micro_batches]
+    labels = [part(labels_of(mb)) for mb in micro_batches]
     docs = None if host_docs is None else [to_device(d, device) for d in host_docs]
     scale = backward_scale(scaler, dp.size, len(micro_batches))
     set_aux_scale(model, scale.aux)
@@ -104,7 +108,8 @@ def train_step(
             last = i == len(micro_batches) - 1
             doc = None if docs is None else docs[i]
             with grad_sync(model, last=last, defer=dp.defer_sync), autocast(precision, device):
-                outputs = model(inputs_of(mb), **({} if doc is None else {"documents": doc}))
+                inputs = part(inputs_of(mb))
+                outputs = model(inputs, **({} if doc is None else {"documents": doc}))
             total, parts = loss_terms(outputs, lab, counts, mtp_weight, doc)
         with probes.phase("backward"):
             (total * scale.loss).backward()
@@ -139,6 +144,10 @@ def train_step(
         update.expert_load,
         update.preempted,
     )
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 @dataclass(frozen=True)

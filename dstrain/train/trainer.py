@@ -28,6 +28,7 @@ from dstrain.metrics.processor import (
 )
 from dstrain.metrics.sinks import Sink
 from dstrain.model.flops import param_counts, training_flops_per_token
+from dstrain.parallel.context_parallel import context_shard
 from dstrain.parallel.distributed import env_int, init_distributed
 from dstrain.parallel.expert_parallel import reduce_expert_grads, scale_expert_grads
 from dstrain.parallel.moe_tokens import expert_grad_scale, reduce_split_grads
@@ -69,6 +70,7 @@ class Trainer:
         runtime = build_runtime(config, self.world, init_from=not self._will_resume())
         self.model_args, self.dims, self.meshes = runtime.model_args, runtime.dims, runtime.meshes
         self.dp, self.batch = runtime.dp, runtime.batch
+        self.context = context_shard(self.meshes)  # this rank's part of each sequence (cp)
         self.model, self.pipeline = runtime.model, runtime.pipeline
         self.optimizer = runtime.optimizer
         self.init_from = runtime.weights  # None: drawn (or resumed)
@@ -357,7 +359,7 @@ class Trainer:
         self.heartbeat.beat(self.step, "compute")
         with self.probes.quiet():
             return self.evaluator.run(
-                self.model, self.pipeline, self.dp, self.config.train.precision
+                self.model, self.pipeline, self.dp, self.config.train.precision, self.context
             )
 
     def _write(self, metrics: dict[str, float], progress: TrainProgress) -> None:
@@ -451,7 +453,9 @@ class Trainer:
                 **common,
             )
         eos = self.tokenizer.eos_id if self.config.data.document_mask else None
-        return train_step(self.model, self.optimizer, batch, document_eos=eos, **common)
+        return train_step(
+            self.model, self.optimizer, batch, document_eos=eos, context=self.context, **common
+        )
 
     def _faulty_forward(self) -> contextlib.AbstractContextManager:
         """DSTRAIN_INJECT_FAULT=nan: this rank's forward gives NaN during this step."""
