@@ -18,7 +18,12 @@ import pytest
 from dstrain.config.load import load_config
 from dstrain.train.trainer import Trainer
 from tests.distributed.harness import run_ranks
-from tests.distributed.test_parity_matrix import _losses, setup  # noqa: F401 (fixture)
+from tests.distributed.test_parity_matrix import (  # noqa: F401 (fixtures)
+    NO_MTP,
+    _losses,
+    cp_reference,
+    setup,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -62,8 +67,8 @@ def _branch(root, source: str, name: str) -> None:
     shutil.copytree(runs / source, runs / name)
 
 
-def _check(root, name: str) -> None:
-    expected, got = _losses(root, "reference"), _losses(root, name)
+def _check(root, name: str, reference: str = "reference") -> None:
+    expected, got = _losses(root, reference), _losses(root, name)
     assert len(got) == len(expected), (name, len(got))
     rel = max(abs(a - b) / abs(a) for a, b in zip(expected[SAVE_AT:], got[SAVE_AT:], strict=True))
     print(f"reshard {name}: max loss rel diff over steps {SAVE_AT + 1}-8 {rel:.1e}")
@@ -89,3 +94,22 @@ def test_checkpoints_reshard_across_layouts(setup):  # noqa: F811
         _branch(root, source, name)
         Trainer(load_config(None, [*common, f"run.name={name}"]).config).train()
         _check(root, name)
+
+
+def test_a_context_parallel_checkpoint_resumes_at_cp1_and_dp2(setup, cp_reference):  # noqa: F811
+    """Saved at cp2 (ZeRO-3 over dp_shard x cp), resumed by one process and at dp_shard2: the
+    losses after the checkpoint are the uninterrupted one-process run's (without MTP, which cp
+    refuses so far)."""
+    root, common, _ = setup
+    common = _resumable([*common, *NO_MTP])
+    saved = {"save_cp2": ["parallel.cp=2", "parallel.zero_stage=3"]}
+    run_ranks(2, "train_layouts", root / "cp_saves", json.dumps({"common": common,
+              "layouts": saved, "stop_at": SAVE_AT}))  # fmt: skip
+    _branch(root, "save_cp2", "cp2_to_dp2")
+    resumed = {"cp2_to_dp2": ["parallel.dp_shard=2", "parallel.zero_stage=1"]}
+    spec = json.dumps({"common": common, "layouts": resumed})
+    run_ranks(2, "train_layouts", root / "cp_resume", spec, timeout=600)
+    _check(root, "cp2_to_dp2", "reference_no_mtp")
+    _branch(root, "save_cp2", "cp2_to_one")
+    Trainer(load_config(None, [*common, "run.name=cp2_to_one"]).config).train()
+    _check(root, "cp2_to_one", "reference_no_mtp")

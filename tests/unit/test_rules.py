@@ -303,8 +303,21 @@ def test_tp_across_nodes_warns():
     )
 
 
-def test_cp_is_reserved():
-    assert "parallel.cp" in errors("parallel.cp=2", world=2)
+def test_context_parallel_runs_with_dp_shard_and_refuses_the_rest_with_reasons():
+    no_mtp = "model.num_mtp_modules=0"
+    assert errors("parallel.cp=2", no_mtp, world=2) == {}
+    assert errors("parallel.cp=2", "parallel.dp_shard=2", no_mtp, world=4) == {}
+    for axis in ("parallel.tp=2", "parallel.pp=2", "parallel.dp_replicate=2"):
+        bad = errors("parallel.cp=2", axis, no_mtp, world=4)
+        assert "dp_shard (ZeRO-0/1/2/3) only" in bad["parallel.cp"], (axis, bad)
+    assert "shifted tokens" in errors("parallel.cp=2", world=2)["model.num_mtp_modules"]
+    odd = errors("parallel.cp=2", no_mtp, "train.seq_len=126", world=2)
+    assert "2 x cp = 4 equal chunks" in odd["train.seq_len"]
+    aux = errors("parallel.cp=2", no_mtp, "model.aux_loss_alpha=0.001", world=2)
+    assert "model.aux_loss_alpha" in aux
+    assert "data.document_mask" in errors(
+        "parallel.cp=2", no_mtp, "data.document_mask=true", world=2
+    )
 
 
 def test_unknown_flavor_is_a_finding():
