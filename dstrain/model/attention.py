@@ -28,7 +28,10 @@ from dstrain.model.rope import apply_rope, softmax_scale
 
 
 class SequenceShard(Protocol):
-    """What attention needs of context parallelism (`parallel/context_parallel.ContextShard`)."""
+    """What attention needs of context parallelism (`parallel/context_parallel.ContextShard`):
+    `size` ranks each hold a part of every sequence."""
+
+    size: int
 
     def positions(self, local_len: int, device: torch.device | str = "cpu") -> torch.Tensor: ...
 

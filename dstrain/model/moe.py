@@ -238,11 +238,16 @@ class AddAuxiliaryLoss(torch.autograd.Function):
 class MoE(nn.Module):
     """`token_share` (set by `parallel/moe_tokens.apply_token_split` under TP): an object with
     `rows(x)` and `gather(part, total_rows)`; the MoE then routes only its tp rank's rows.
+    `counted_rows`: the rows the load counters count (below).
     `overlap_shared` (`parallel.ep_overlap`): the shared experts run while the routed experts'
     dispatch all-to-all is in flight (the experts' `meanwhile`), instead of after the combine."""
 
     token_share = None
     overlap_shared = False
+    # Rows of x [T] whose routing the load counters count (None: all). Context parallelism's MTP
+    # runs positions that one process does not have (past the sequence's end for its depth):
+    # their choices must not move the balancing bias.
+    counted_rows: torch.Tensor | None = None
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -273,7 +278,8 @@ class MoE(nn.Module):
             routed_TD, scores_TE, experts_TK = (
                 share.gather(t, T) for t in (routed_TD, scores_TE, experts_TK)
             )
-        self.router.count(experts_TK)
+        counted = experts_TK if self.counted_rows is None else experts_TK[self.counted_rows]
+        self.router.count(counted)
         out_TD = routed_TD
         if self.shared_experts is not None:
             out_TD = out_TD + (shared[0] if shared else self.shared_experts(x_TD))

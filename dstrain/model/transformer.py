@@ -101,7 +101,8 @@ class Transformer(nn.Module):
         """tokens [B, S] -> logits [B, S, V]; with MTP, (logits, mtp_1 [B, S-1, V], ...).
 
         A stage without the embedding takes hidden states [B, S, D] instead of token ids; a last
-        stage with MTP then needs `next_tokens` [B, S-1] (token i+1 at position i).
+        stage with MTP then needs `next_tokens` [B, S-1] (token i+1 at position i). Under
+        context parallelism `next_tokens` is [B, D, L], each depth's (`_mtp_logits_split`).
         `documents` [B, >= S]: each token's document index (document masking; see
         `model/documents.py`), None: one causal sequence.
         """
@@ -116,6 +117,10 @@ class Transformer(nn.Module):
         logits = self.head(self.norm(h) if self.norm is not None else h)
         if self.mtp is None:
             return logits
+        if self.context is not None:  # without next_tokens (evaluation): the main head only
+            if next_tokens is None:
+                return logits
+            return (logits, *self._mtp_logits_split(h, next_tokens, cos, sin))
         if next_tokens is None:
             next_tokens = tokens[:, 1:]
         return (logits, *self._mtp_logits(h, next_tokens[:, : h.size(1) - 1], docs))
@@ -126,6 +131,33 @@ class Transformer(nn.Module):
         if self.context is not None:
             return self.context.positions(h.size(1), h.device).expand(h.size(0), -1)
         return None if docs is None else docs.positions
+
+    def _mtp_logits_split(
+        self, h: torch.Tensor, next_tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """MTP on this rank's part of the sequence (context parallelism): every depth keeps the
+        main sequence's positions and length, its input tokens given per depth
+        (`next_tokens` [B, D, L]: token i + k at position i). Positions past S - 1 - k, which
+        one process drops, see only earlier ones (causal), so they change no kept output; their
+        targets are none (`train/loss.split_targets`)."""
+        embed = self.mtp_embed if self.mtp_embed is not None else self.embed
+        context = self.context
+        assert context is not None
+        B, L = next_tokens.size(0), next_tokens.size(-1)
+        positions = context.positions(L, h.device)
+        outputs = []
+        for module in self.mtp.values():
+            moe = next((m for m in module.modules() if isinstance(m, MoE)), None)  # wrapped too
+            if moe is not None:  # the padded positions route, but are not counted
+                kept = positions < L * context.size - module.depth
+                moe.counted_rows = kept.expand(B, -1).flatten()
+            try:
+                h = module(h, embed(next_tokens[:, module.depth - 1]), cos, sin)
+            finally:
+                if moe is not None:
+                    moe.counted_rows = None
+            outputs.append(self.head(module.norm(h)))
+        return outputs
 
     def _mtp_logits(
         self, h: torch.Tensor, next_tokens: torch.Tensor, docs: DocumentMask | None

@@ -14,6 +14,7 @@ whole [B, S, V] logits or their fp32 upcast. Its communication: all-reduces of t
 statistics in forward, none in backward.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,23 @@ def depth_labels(
     return labels.masked_fill(crosses, IGNORE_INDEX)
 
 
+def shifted(x_BS: torch.Tensor, k: int, fill: int) -> torch.Tensor:
+    """x moved k positions left [B, S]: position i holds x[i + k], `fill` past the end."""
+    if k == 0:
+        return x_BS
+    tail = x_BS.new_full((x_BS.size(0), k), fill)
+    return torch.cat([x_BS[:, k:], tail], dim=1)
+
+
+def split_targets(
+    labels_BS: torch.Tensor, num_mtp: int, split: Callable[[torch.Tensor], torch.Tensor]
+) -> list[torch.Tensor]:
+    """Context parallelism: every depth's targets at this rank's positions, [B, L] each (depth
+    k's target at position i is the main target at i + k, none past the sequence's end), for
+    the whole-length MTP heads of a split sequence (`Transformer._mtp_logits_split`)."""
+    return [split(shifted(labels_BS, k, IGNORE_INDEX)) for k in range(num_mtp + 1)]
+
+
 @dataclass(frozen=True)
 class TokenCounts:
     """Valid target tokens per depth (index 0: the main head) over the global batch."""
@@ -93,6 +111,12 @@ class TokenCounts:
             )
         )
 
+    @classmethod
+    def of_targets(cls, targets: list[list[torch.Tensor]]) -> "TokenCounts":
+        """Counts of per-depth targets (`split_targets`, one list per micro-batch)."""
+        depths = zip(*targets, strict=True)
+        return cls(tuple(int(sum((t != IGNORE_INDEX).sum().item() for t in d)) for d in depths))
+
 
 def loss_terms(
     outputs: torch.Tensor | tuple[torch.Tensor, ...],
@@ -100,21 +124,27 @@ def loss_terms(
     counts: TokenCounts,
     mtp_weight: float,
     documents: torch.Tensor | None = None,
+    targets: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss to back-propagate, detached parts {"main", "mtp"}) for one micro-batch;
-    `documents` [B, S+1] under document masking."""
+    `documents` [B, S+1] under document masking; `targets`: each depth's own, already aligned
+    with its logits (context parallelism, `split_targets`), instead of `labels_BS`'s."""
+
+    def depth(k: int) -> torch.Tensor:
+        return targets[k] if targets is not None else depth_labels(labels_BS, k, documents)
+
     logits = outputs if isinstance(outputs, torch.Tensor) else outputs[0]
-    main = ce_sum(logits, depth_labels(labels_BS, 0, documents)) / max(counts.per_depth[0], 1)
+    main = ce_sum(logits, depth(0)) / max(counts.per_depth[0], 1)
     parts = {"main": main.detach()}
     total = main
     if not isinstance(outputs, torch.Tensor) and len(outputs) > 1:
-        depth = len(outputs) - 1
+        depths = len(outputs) - 1
         mtp = sum(
-            ce_sum(out, depth_labels(labels_BS, k, documents)) / max(counts.per_depth[k], 1)
+            ce_sum(out, depth(k)) / max(counts.per_depth[k], 1)
             for k, out in enumerate(outputs[1:], start=1)
         )
-        parts["mtp"] = mtp.detach() / depth
-        total = total + mtp_weight / depth * mtp
+        parts["mtp"] = mtp.detach() / depths
+        total = total + mtp_weight / depths * mtp
     return total, parts
 
 

@@ -23,7 +23,15 @@ from dstrain.metrics.probes import NO_PROBES, Probes
 from dstrain.model.moe import MoE, Router
 from dstrain.parallel.context_parallel import ContextShard
 from dstrain.train.agreement import agree
-from dstrain.train.loss import TokenCounts, documents_of, inputs_of, labels_of, loss_terms
+from dstrain.train.loss import (
+    TokenCounts,
+    documents_of,
+    inputs_of,
+    labels_of,
+    loss_terms,
+    shifted,
+    split_targets,
+)
 from dstrain.train.loss_scale import LossScaler
 
 
@@ -95,7 +103,10 @@ def train_step(
     # Counted on the host, before the copy: no device sync for the divisors of the loss.
     host_labels = [part(labels_of(mb)) for mb in micro_batches]
     host_docs = document_ids(micro_batches, document_eos)
-    counts = global_counts(host_labels, num_mtp, dp, device, host_docs)
+    host_targets = None
+    if context is not None:  # every depth's targets at this rank's positions
+        host_targets = [split_targets(labels_of(mb), num_mtp, part) for mb in micro_batches]
+    counts = global_counts(host_labels, num_mtp, dp, device, host_docs, host_targets)
     micro_batches = [to_device(mb, device) for mb in micro_batches]
     labels = [part(labels_of(mb)) for mb in micro_batches]
     docs = None if host_docs is None else [to_device(d, device) for d in host_docs]
@@ -108,9 +119,10 @@ def train_step(
             last = i == len(micro_batches) - 1
             doc = None if docs is None else docs[i]
             with grad_sync(model, last=last, defer=dp.defer_sync), autocast(precision, device):
-                inputs = part(inputs_of(mb))
-                outputs = model(inputs, **({} if doc is None else {"documents": doc}))
-            total, parts = loss_terms(outputs, lab, counts, mtp_weight, doc)
+                inputs, extra = model_inputs(mb, doc, context, num_mtp)
+                outputs = model(inputs, **extra)
+            targets = None if context is None else split_targets(labels_of(mb), num_mtp, part)
+            total, parts = loss_terms(outputs, lab, counts, mtp_weight, doc, targets)
         with probes.phase("backward"):
             (total * scale.loss).backward()
         loss = loss + parts["main"]
@@ -148,6 +160,22 @@ def train_step(
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def model_inputs(
+    mb: torch.Tensor, doc: torch.Tensor | None, context: ContextShard | None, num_mtp: int
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The model's arguments for a micro-batch: its input tokens and, under document masking,
+    the documents. Under context parallelism this rank's part of the tokens and, with MTP,
+    each depth's input tokens at this rank's positions (`next_tokens` [B, D, L]: depth k's at
+    position i is token i + k, 0 past the end, whose targets are none)."""
+    tokens = inputs_of(mb)
+    if context is None:
+        return tokens, ({} if doc is None else {"documents": doc})
+    if not num_mtp:
+        return context.split(tokens), {}
+    depths = [context.split(shifted(tokens, k, 0)) for k in range(1, num_mtp + 1)]
+    return context.split(tokens), {"next_tokens": torch.stack(depths, dim=1)}
 
 
 @dataclass(frozen=True)
@@ -314,10 +342,14 @@ def global_counts(
     dp: DataParallel,
     device: torch.device,
     documents: list[torch.Tensor] | None = None,
+    targets: list[list[torch.Tensor]] | None = None,
 ) -> TokenCounts:
     """Target tokens per depth over the global batch; `labels` (and `documents`) on the host
-    (counted there)."""
-    local = TokenCounts.of(labels, num_mtp, documents)
+    (counted there); `targets`: each depth's own, under context parallelism."""
+    if targets is not None:
+        local = TokenCounts.of_targets(targets)
+    else:
+        local = TokenCounts.of(labels, num_mtp, documents)
     if dp.size == 1:
         return local
     summed = dp.sum(torch.tensor(local.per_depth, dtype=torch.int64, device=device))

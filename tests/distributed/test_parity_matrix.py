@@ -222,3 +222,22 @@ def test_context_parallel_layouts_match_one_process(setup, cp_reference):
             _check(
                 root, name, cp_reference, root / f"cp{ranks}", "reference_no_mtp", CP_WEIGHT_ATOL
             )
+
+
+# MTP under context parallelism: each depth keeps the split sequence's positions, its input
+# tokens and targets shifted before the split (torchtitan refuses MTP with CP).
+CP_MTP = {
+    "cp2_mtp": ["parallel.cp=2", "parallel.zero_stage=1"],
+    "cp2_mtp_zero3": ["parallel.cp=2", "parallel.zero_stage=3"],
+}
+
+
+def test_context_parallel_with_mtp_matches_one_process(setup):
+    root, common, reference = setup
+    spec = {"common": common, "layouts": CP_MTP}
+    run_ranks(2, "train_layouts", root / "cp_mtp", json.dumps(spec), timeout=600)
+    for name in CP_MTP:
+        _check(root, name, reference, root / "cp_mtp", weight_atol=CP_WEIGHT_ATOL)
+        assert _losses(root, name, "loss/mtp") == pytest.approx(
+            _losses(root, "reference", "loss/mtp"), rel=LOSS_RTOL
+        ), name
