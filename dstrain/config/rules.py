@@ -550,13 +550,6 @@ def rule_data(t: CheckTarget) -> Iterable[Finding]:
             "set parallel.pp = 1 (shard with dp_shard/tp/ep instead), or data.document_mask = "
             "false",
         )
-    if c.parallel.cp > 1:
-        yield error(
-            "data.document_mask",
-            f"data.document_mask with context parallelism (parallel.cp = {c.parallel.cp}): "
-            "a sequence's shards would need each other's document boundaries",
-            "set parallel.cp = 1, or data.document_mask = false",
-        )
 
 
 def rule_context_parallel(t: CheckTarget) -> Iterable[Finding]:

@@ -37,6 +37,8 @@ class SequenceShard(Protocol):
 
     def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor: ...
 
+    def all_positions(self, local_len: int, device: torch.device | str = "cpu") -> torch.Tensor: ...
+
     def causal_mask(self, local_len: int, device: torch.device | str = "cpu") -> torch.Tensor: ...
 
 
@@ -75,7 +77,8 @@ class MLA(nn.Module):
         if self.context is not None:  # every rank's latents: [B, S x cp, C + P]
             latent = self.context.gather(torch.cat([kv_BSC, k_rope_BSP], dim=-1))
             kv_BSC, k_rope_BSP = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-            mask = self.context.causal_mask(S, x_BSD.device)
+            if mask is None:  # else the documents' mask, made for the gathered keys
+                mask = self.context.causal_mask(S, x_BSD.device)
         kv = self.wkv_b(self.kv_norm(kv_BSC)).view(
             B, kv_BSC.size(1), -1, self.nope_dim + self.v_dim
         )
@@ -113,7 +116,8 @@ class MHA(nn.Module):
         v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
         if self.context is not None:  # every rank's keys and values: [B, S x cp, Hkv, K]
             k, v = self.context.gather(k), self.context.gather(v)
-            mask = self.context.causal_mask(S, x_BSD.device)
+            if mask is None:  # else the documents' mask, made for the gathered keys
+                mask = self.context.causal_mask(S, x_BSD.device)
         groups = q.size(2) // k.size(2)
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)

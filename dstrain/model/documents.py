@@ -26,6 +26,19 @@ class DocumentMask:
     def of(cls, ids_BS: torch.Tensor) -> "DocumentMask":
         return cls(ids_BS, _positions(ids_BS), _mask(ids_BS))
 
+    @classmethod
+    def split(
+        cls, ids_BS: torch.Tensor, queries_L: torch.Tensor, keys_K: torch.Tensor
+    ) -> "DocumentMask":
+        """Context parallelism: the mask of this rank's query positions `queries_L` against
+        the gathered keys' positions `keys_K` (their order), within documents and causal by
+        global position; ids and positions for the rank's own tokens. A boolean mask on every
+        device ([B, 1, L, K]: the keys are not in sequence order, which a BlockMask assumes)."""
+        ids_q, ids_k = ids_BS[:, queries_L], ids_BS[:, keys_K]
+        causal = queries_L[:, None] >= keys_K[None, :]
+        mask = ((ids_q[:, :, None] == ids_k[:, None, :]) & causal)[:, None]
+        return cls(ids_q, _positions(ids_BS)[:, queries_L], mask)
+
     def first(self, length: int) -> "DocumentMask":
         """The mask of the first `length` positions (an MTP depth's shorter sequence)."""
         return DocumentMask.of(self.ids[:, :length])

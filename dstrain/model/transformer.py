@@ -107,7 +107,7 @@ class Transformer(nn.Module):
         `model/documents.py`), None: one causal sequence.
         """
         h = self.embed(tokens) if self.embed is not None else tokens
-        docs = None if documents is None else DocumentMask.of(documents[:, : tokens.size(1)])
+        docs = None if documents is None else self._documents(documents, tokens.size(1))
         cos, sin = self.rope(h.size(1), self._positions(h, docs))
         mask = {} if docs is None else {"mask": docs.mask}
         for layer in self.layers.values():
@@ -120,23 +120,40 @@ class Transformer(nn.Module):
         if self.context is not None:  # without next_tokens (evaluation): the main head only
             if next_tokens is None:
                 return logits
-            return (logits, *self._mtp_logits_split(h, next_tokens, cos, sin))
+            return (logits, *self._mtp_logits_split(h, next_tokens, cos, sin, mask))
         if next_tokens is None:
             next_tokens = tokens[:, 1:]
         return (logits, *self._mtp_logits(h, next_tokens[:, : h.size(1) - 1], docs))
 
+    def _documents(self, documents: torch.Tensor, length: int) -> DocumentMask:
+        """The documents' mask of this forward's `length` tokens: all of them, or under context
+        parallelism this rank's part of the sequence (`documents` is the whole one's)."""
+        if self.context is None:
+            return DocumentMask.of(documents[:, :length])
+        device = documents.device
+        whole = documents[:, : length * self.context.size]
+        queries = self.context.positions(length, device)
+        return DocumentMask.split(whole, queries, self.context.all_positions(length, device))
+
     def _positions(self, h: torch.Tensor, docs: DocumentMask | None) -> torch.Tensor | None:
         """Each token's RoPE position [B, S]: its place in its document, or in the sequence of
         which this rank holds a part (context parallelism); None: 0..S-1."""
+        if docs is not None:
+            return docs.positions
         if self.context is not None:
             return self.context.positions(h.size(1), h.device).expand(h.size(0), -1)
-        return None if docs is None else docs.positions
+        return None
 
     def _mtp_logits_split(
-        self, h: torch.Tensor, next_tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        h: torch.Tensor,
+        next_tokens: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: dict[str, Any],
     ) -> list[torch.Tensor]:
         """MTP on this rank's part of the sequence (context parallelism): every depth keeps the
-        main sequence's positions and length, its input tokens given per depth
+        main sequence's positions, length and documents' mask, its input tokens given per depth
         (`next_tokens` [B, D, L]: token i + k at position i). Positions past S - 1 - k, which
         one process drops, see only earlier ones (causal), so they change no kept output; their
         targets are none (`train/loss.split_targets`)."""
@@ -152,7 +169,7 @@ class Transformer(nn.Module):
                 kept = positions < L * context.size - module.depth
                 moe.counted_rows = kept.expand(B, -1).flatten()
             try:
-                h = module(h, embed(next_tokens[:, module.depth - 1]), cos, sin)
+                h = module(h, embed(next_tokens[:, module.depth - 1]), cos, sin, **mask)
             finally:
                 if moe is not None:
                     moe.counted_rows = None

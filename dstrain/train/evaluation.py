@@ -113,12 +113,12 @@ def _sums(
     out = torch.zeros(2, dtype=torch.float64, device=micro[0].device)
     for mb in micro:
         docs = None if eos is None else documents_of(mb, eos)
-        inputs, labels = inputs_of(mb), labels_of(mb)
-        if context is not None:  # no document masking under cp (the check refuses it)
+        inputs, labels = inputs_of(mb), depth_labels(labels_of(mb), 0, docs)
+        if context is not None:
             inputs, labels = context.split(inputs), context.split(labels)
         outputs = model(inputs, **({} if docs is None else {"documents": docs}))
         logits = outputs[0] if isinstance(outputs, tuple) else outputs
-        out += _ce_and_count(logits, depth_labels(labels, 0, docs))
+        out += _ce_and_count(logits, labels)
     return out
 
 

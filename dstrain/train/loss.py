@@ -75,12 +75,22 @@ def shifted(x_BS: torch.Tensor, k: int, fill: int) -> torch.Tensor:
 
 
 def split_targets(
-    labels_BS: torch.Tensor, num_mtp: int, split: Callable[[torch.Tensor], torch.Tensor]
+    labels_BS: torch.Tensor,
+    num_mtp: int,
+    split: Callable[[torch.Tensor], torch.Tensor],
+    documents: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Context parallelism: every depth's targets at this rank's positions, [B, L] each (depth
-    k's target at position i is the main target at i + k, none past the sequence's end), for
-    the whole-length MTP heads of a split sequence (`Transformer._mtp_logits_split`)."""
-    return [split(shifted(labels_BS, k, IGNORE_INDEX)) for k in range(num_mtp + 1)]
+    k's target at position i is `depth_labels`' at i: the main target at i + k, none across a
+    document boundary, none past the sequence's end), for the whole-length MTP heads of a split
+    sequence (`Transformer._mtp_logits_split`)."""
+    S = labels_BS.size(1)
+    out = []
+    for k in range(num_mtp + 1):
+        kept = depth_labels(labels_BS, k, documents)  # [B, S - k]
+        tail = kept.new_full((kept.size(0), S - kept.size(1)), IGNORE_INDEX)
+        out.append(split(torch.cat([kept, tail], dim=1)))
+    return out
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,11 @@ def train_step(
     host_docs = document_ids(micro_batches, document_eos)
     host_targets = None
     if context is not None:  # every depth's targets at this rank's positions
-        host_targets = [split_targets(labels_of(mb), num_mtp, part) for mb in micro_batches]
+        docs_of = host_docs or [None] * len(micro_batches)
+        host_targets = [
+            split_targets(labels_of(mb), num_mtp, part, d)
+            for mb, d in zip(micro_batches, docs_of, strict=True)
+        ]
     counts = global_counts(host_labels, num_mtp, dp, device, host_docs, host_targets)
     micro_batches = [to_device(mb, device) for mb in micro_batches]
     labels = [part(labels_of(mb)) for mb in micro_batches]
@@ -121,7 +125,9 @@ def train_step(
             with grad_sync(model, last=last, defer=dp.defer_sync), autocast(precision, device):
                 inputs, extra = model_inputs(mb, doc, context, num_mtp)
                 outputs = model(inputs, **extra)
-            targets = None if context is None else split_targets(labels_of(mb), num_mtp, part)
+            targets = None
+            if context is not None:
+                targets = split_targets(labels_of(mb), num_mtp, part, doc)
             total, parts = loss_terms(outputs, lab, counts, mtp_weight, doc, targets)
         with probes.phase("backward"):
             (total * scale.loss).backward()
@@ -170,12 +176,13 @@ def model_inputs(
     each depth's input tokens at this rank's positions (`next_tokens` [B, D, L]: depth k's at
     position i is token i + k, 0 past the end, whose targets are none)."""
     tokens = inputs_of(mb)
+    extra = {} if doc is None else {"documents": doc}  # whole: the model splits it (cp)
     if context is None:
-        return tokens, ({} if doc is None else {"documents": doc})
-    if not num_mtp:
-        return context.split(tokens), {}
-    depths = [context.split(shifted(tokens, k, 0)) for k in range(1, num_mtp + 1)]
-    return context.split(tokens), {"next_tokens": torch.stack(depths, dim=1)}
+        return tokens, extra
+    if num_mtp:
+        depths = [context.split(shifted(tokens, k, 0)) for k in range(1, num_mtp + 1)]
+        extra["next_tokens"] = torch.stack(depths, dim=1)
+    return context.split(tokens), extra
 
 
 @dataclass(frozen=True)
