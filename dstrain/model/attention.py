@@ -37,9 +37,9 @@ class SequenceShard(Protocol):
 
     def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor: ...
 
-    def all_positions(self, local_len: int, device: torch.device | str = "cpu") -> torch.Tensor: ...
-
     def causal_mask(self, local_len: int, device: torch.device | str = "cpu") -> torch.Tensor: ...
+
+    def query_chunks(self, local_len: int) -> list[tuple[slice, int]]: ...
 
 
 class MLA(nn.Module):
@@ -77,8 +77,6 @@ class MLA(nn.Module):
         if self.context is not None:  # every rank's latents: [B, S x cp, C + P]
             latent = self.context.gather(torch.cat([kv_BSC, k_rope_BSP], dim=-1))
             kv_BSC, k_rope_BSP = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-            if mask is None:  # else the documents' mask, made for the gathered keys
-                mask = self.context.causal_mask(S, x_BSD.device)
         kv = self.wkv_b(self.kv_norm(kv_BSC)).view(
             B, kv_BSC.size(1), -1, self.nope_dim + self.v_dim
         )
@@ -87,7 +85,7 @@ class MLA(nn.Module):
         k_rope = k_rope_BSP.unsqueeze(2).expand(-1, -1, k_nope.size(2), -1)
         q_BSHK = torch.cat([q_nope, q_rope], dim=-1)
         k_BSHK = torch.cat([k_nope, k_rope], dim=-1)
-        out = _causal_attention(q_BSHK, k_BSHK, v_BSHV, self.scale, mask)
+        out = _attention(q_BSHK, k_BSHK, v_BSHV, self.scale, mask, self.context)
         return self.wo(out.flatten(2))
 
 
@@ -116,12 +114,37 @@ class MHA(nn.Module):
         v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
         if self.context is not None:  # every rank's keys and values: [B, S x cp, Hkv, K]
             k, v = self.context.gather(k), self.context.gather(v)
-            if mask is None:  # else the documents' mask, made for the gathered keys
-                mask = self.context.causal_mask(S, x_BSD.device)
         groups = q.size(2) // k.size(2)
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
-        return self.wo(_causal_attention(q, k, v, self.scale, mask).flatten(2))
+        return self.wo(_attention(q, k, v, self.scale, mask, self.context).flatten(2))
+
+
+def _attention(
+    q_BLHK: torch.Tensor,
+    k_BSHK: torch.Tensor,
+    v_BSHV: torch.Tensor,
+    scale: float,
+    mask: Any,
+    context: SequenceShard | None,
+) -> torch.Tensor:
+    """Causal attention of the local queries; under context parallelism against the whole
+    sequence's keys (`gather`'s order): with a documents' mask as given (made for them), else
+    chunk by chunk, each of this rank's two chunks against the keys up to its own end (causal
+    bottom-right: the chunk's first query sees every earlier position), not the whole sequence
+    under a mask."""
+    if context is None or mask is not None:
+        return _causal_attention(q_BLHK, k_BSHK, v_BSHV, scale, mask)
+    outputs = []
+    for rows, start in context.query_chunks(q_BLHK.size(1)):
+        q = q_BLHK[:, rows]
+        end = start + q.size(1)
+        keys = torch.arange(end, device=q.device)
+        visible = keys[None, :] <= torch.arange(start, end, device=q.device)[:, None]
+        outputs.append(
+            _causal_attention(q, k_BSHK[:, :end], v_BSHV[:, :end], scale, visible[None, None])
+        )
+    return torch.cat(outputs, dim=1)
 
 
 def _causal_attention(

@@ -31,9 +31,9 @@ class DocumentMask:
         cls, ids_BS: torch.Tensor, queries_L: torch.Tensor, keys_K: torch.Tensor
     ) -> "DocumentMask":
         """Context parallelism: the mask of this rank's query positions `queries_L` against
-        the gathered keys' positions `keys_K` (their order), within documents and causal by
-        global position; ids and positions for the rank's own tokens. A boolean mask on every
-        device ([B, 1, L, K]: the keys are not in sequence order, which a BlockMask assumes)."""
+        the gathered keys' positions `keys_K`, within documents and causal by global position;
+        ids and positions for the rank's own tokens. A boolean mask [B, 1, L, K] on every device
+        (a FlexAttention BlockMask of a rank's two chunks is not built yet)."""
         ids_q, ids_k = ids_BS[:, queries_L], ids_BS[:, keys_K]
         causal = queries_L[:, None] >= keys_K[None, :]
         mask = ((ids_q[:, :, None] == ids_k[:, None, :]) & causal)[:, None]

@@ -133,7 +133,8 @@ class Transformer(nn.Module):
         device = documents.device
         whole = documents[:, : length * self.context.size]
         queries = self.context.positions(length, device)
-        return DocumentMask.split(whole, queries, self.context.all_positions(length, device))
+        keys = torch.arange(whole.size(1), device=device)  # the gathered keys' order
+        return DocumentMask.split(whole, queries, keys)
 
     def _positions(self, h: torch.Tensor, docs: DocumentMask | None) -> torch.Tensor | None:
         """Each token's RoPE position [B, S]: its place in its document, or in the sequence of

@@ -56,18 +56,28 @@ class ContextShard:
         return x.index_select(dim, index)
 
     def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """Every rank's tokens of `x` along `dim`, rank by rank (`all_positions`' order); its
-        backward reduce-scatters the gradient back to each rank's own tokens."""
+        """The whole sequence of `x` along `dim`, in sequence order: every rank's tokens
+        gathered, then put in place. Its backward reduce-scatters the gradient back to each
+        rank's own tokens."""
         if self.size == 1:
             return x
-        return all_gather_single_autograd(x.contiguous(), gather_dim=dim, group=self.group)
+        local_len = x.size(dim)
+        gathered = all_gather_single_autograd(x.contiguous(), gather_dim=dim, group=self.group)
+        order = self.all_positions(local_len, x.device).argsort()
+        return gathered.index_select(dim, order)
 
     def causal_mask(self, local_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """[1, 1, L, L x size] bool: this rank's queries against the gathered keys, causal by
-        global position."""
+        """[1, 1, L, L x size] bool: this rank's queries against the whole sequence's keys
+        (`gather`'s order), causal by position."""
         q = self.positions(local_len, device)
-        k = self.all_positions(local_len, device)
+        k = torch.arange(local_len * self.size, device=device)
         return (q[:, None] >= k[None, :])[None, None]
+
+    def query_chunks(self, local_len: int) -> list[tuple[slice, int]]:
+        """This rank's two chunks: (their rows of the local tokens, their first position)."""
+        chunk = local_len // 2
+        tail = 2 * self.size - 1 - self.rank
+        return [(slice(0, chunk), self.rank * chunk), (slice(chunk, local_len), tail * chunk)]
 
 
 def _chunk_positions(
