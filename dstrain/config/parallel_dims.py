@@ -119,21 +119,20 @@ class ParallelDims:
         return None
 
     def _check_cp(self) -> Finding | None:
-        return context_parallel_limit(self.cp, self.tp, self.pp, self.ep, self.dp_replicate)
+        return context_parallel_limit(self.cp, self.pp, self.dp_replicate)
 
 
-def context_parallel_limit(
-    cp: int, tp: int = 1, pp: int = 1, ep: int = 1, dp_replicate: int = 1
-) -> Finding | None:
+def context_parallel_limit(cp: int, pp: int = 1, dp_replicate: int = 1) -> Finding | None:
     """What the trainer's context parallelism does not combine with yet (known from the degrees
-    alone): it runs with dp_shard (FSDP/ZeRO over dp_shard x cp) and DDP."""
-    others = {"tp": tp, "pp": pp, "ep": ep, "dp_replicate": dp_replicate}
+    alone): it runs with dp_shard (FSDP/ZeRO over dp_shard x cp, or DDP), tp (with or without
+    SP) and ep, not yet with pp or HSDP's dp_replicate."""
+    others = {"pp": pp, "dp_replicate": dp_replicate}
     with_cp = [f"{axis}={n}" for axis, n in others.items() if n > 1]
     if cp > 1 and with_cp:
         return trainer_limit(
             "parallel.cp",
             f"cp={cp} with {', '.join(with_cp)}: the trainer's context parallelism combines "
-            "with dp_shard (ZeRO-0/1/2/3) only, so far",
+            "with dp_shard (ZeRO-0/1/2/3), tp and ep, not yet with pp or dp_replicate",
             "set parallel.cp = 1 (tp with sequence_parallel also cuts long sequences), or "
             f"keep cp and set {', '.join(a + ' = 1' for a in with_cp)}",
         )

@@ -81,7 +81,7 @@ def rule_world_size(t: CheckTarget) -> Iterable[Finding]:
             "cluster.gpus_per_node",
         )
         p = t.config.parallel
-        if cp := context_parallel_limit(p.cp, p.tp, p.pp, p.ep, p.dp_replicate):
+        if cp := context_parallel_limit(p.cp, p.pp, p.dp_replicate):
             yield cp
         return
     problems = dims.validate()

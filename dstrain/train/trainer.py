@@ -127,16 +127,19 @@ class Trainer:
             torch.use_deterministic_algorithms(True, warn_only=True)
 
     def _finish_grads(self) -> None:
-        """Each rank's expert gradient is dp x (its ep group's tokens, and every tp copy of them
-        under moe_tp = repeat): summed over the ranks holding the same experts (edp) and divided
-        by dp (x tp), it is the one-process gradient. Under moe_tp = split_tokens the routers'
-        (and unsharded experts') gradients hold each tp rank's rows only: summed over tp."""
+        """Each rank's expert gradient is dp x cp x (its ep group's tokens, and every tp copy of
+        them under moe_tp = repeat): summed over the ranks holding the same experts (edp) and
+        divided by dp x cp (x tp), it is the one-process gradient. Under moe_tp = split_tokens
+        the routers' (and unsharded experts') gradients hold each tp rank's rows only: summed
+        over tp."""
         if self.dims.tp > 1 and self.config.parallel.moe_tp == "split_tokens":
             reduce_split_grads(self.model, self.meshes["tp"].get_group())
         if self.dims.ep == 1:
             return
         edp = self.meshes["edp"]
-        scale = expert_grad_scale(self.dims.dp, self.dims.tp, self.config.parallel.moe_tp)
+        # The loss was multiplied by the ranks with their own targets: dp, times cp.
+        dp = self.dims.dp * self.dims.cp
+        scale = expert_grad_scale(dp, self.dims.tp, self.config.parallel.moe_tp)
         if experts_use_fsdp(self.config, self.dims):
             # FSDP already reduce-scattered them as an average over edp: undo the division.
             scale_expert_grads(self.model, edp.size() * scale)

@@ -144,8 +144,8 @@ def test_kv_heads_that_divide_tp_run_in_megatron_not_in_dstrain(tmp_path):
 
 
 def test_check_for_dstrain_exits_3_on_what_only_dstrain_cannot_run(cli, tmp_path):
-    # context parallelism with TP: Megatron-LM runs it, dstrain's trainer not yet
-    path = _script(tmp_path, "--context-parallel-size 2 --tensor-model-parallel-size 2")
+    # context parallelism with PP: Megatron-LM runs it, dstrain's trainer not yet
+    path = _script(tmp_path, "--context-parallel-size 2 --pipeline-model-parallel-size 2")
     assert cli("check", path).code == 0
     result = cli("check", path, "--for", "dstrain", "--json")
     assert result.code == 3

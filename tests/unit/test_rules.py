@@ -307,9 +307,10 @@ def test_context_parallel_runs_with_dp_shard_and_refuses_the_rest_with_reasons()
     no_mtp = "model.num_mtp_modules=0"
     assert errors("parallel.cp=2", no_mtp, world=2) == {}
     assert errors("parallel.cp=2", "parallel.dp_shard=2", no_mtp, world=4) == {}
-    for axis in ("parallel.tp=2", "parallel.pp=2", "parallel.dp_replicate=2"):
+    assert errors("parallel.cp=2", "parallel.tp=2", "parallel.ep=2", world=4) == {}
+    for axis in ("parallel.pp=2", "parallel.dp_replicate=2"):
         bad = errors("parallel.cp=2", axis, no_mtp, world=4)
-        assert "dp_shard (ZeRO-0/1/2/3) only" in bad["parallel.cp"], (axis, bad)
+        assert "not yet with pp or dp_replicate" in bad["parallel.cp"], (axis, bad)
     assert errors("parallel.cp=2", world=2) == {}  # with MTP (the debug flavor's)
     odd = errors("parallel.cp=2", no_mtp, "train.seq_len=126", world=2)
     assert "2 x cp = 4 equal chunks" in odd["train.seq_len"]
