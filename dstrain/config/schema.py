@@ -72,7 +72,13 @@ class ParallelConfig(Section):
         "2: + gradients, 3: + parameters; stage 0: plain data parallel). -1 = whatever the "
         "world size leaves after the other axes.",
     )
-    cp: int = Field(1, ge=1, description="Context-parallel degree (reserved; must be 1 for now).")
+    cp: int = Field(
+        1,
+        ge=1,
+        description="Context-parallel degree: each sequence split over cp ranks (2 x cp chunks, "
+        "rank r holding chunks r and 2cp-1-r); attention gathers MLA's latent. Composes with "
+        "dp_shard, tp and ep. 1 = off.",
+    )
     tp: int = Field(1, ge=1, description="Tensor-parallel degree. 1 = off.")
     pp: int = Field(1, ge=1, description="Pipeline-parallel degree (ranks). 1 = off.")
     ep: int = Field(
