@@ -53,6 +53,12 @@ BF16_TWO_RANKS = {
     "ep2_zero1": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero_stage=1"],
     "ep2_outside_fsdp": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero_stage=0"],
     "tp2_ep2": ["parallel.tp=2", "parallel.ep=2"],
+    "cp2": ["parallel.cp=2", "parallel.zero_stage=1"],
+    "cp2_recompute": [
+        "parallel.cp=2",
+        "parallel.zero_stage=3",
+        "train.activation_checkpoint=full",
+    ],
     "pp2_gpipe": ["parallel.pp=2", "parallel.pp_schedule=gpipe"],
     "pp2_1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
     "pp2_interleaved": [
