@@ -10,8 +10,8 @@ Attention: all-gather, not a ring. MLA's keys and values are functions of a per-
 kv_lora_rank + qk_rope_head_dim values (576 in DeepSeek-V3) against heads x (qk + v head dims)
 for the full keys and values (40,960): each rank gathers the latent (the RoPE key already
 rotated at its tokens' own positions), then runs `kv_norm` and `wkv_b` on the whole sequence
-locally. The gather is torch's autograd-aware functional collective, whose backward is the
-reduce-scatter of the latent's gradient: each rank gets back the gradient of its own tokens'
+locally. The gather is torch's functional all-gather, and its backward the reduce-scatter of the
+latent's gradient (`_GatherSequence`): each rank gets back the gradient of its own tokens'
 latents, summed over the ranks whose queries used them.
 
 Why not torch's own context-parallel API (`torch.distributed.tensor.experimental
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_gather_single_autograd
+import torch.distributed._functional_collectives as funcol
 
 from dstrain.parallel.mesh import Meshes
 
@@ -62,7 +62,7 @@ class ContextShard:
         if self.size == 1:
             return x
         local_len = x.size(dim)
-        gathered = all_gather_single_autograd(x.contiguous(), gather_dim=dim, group=self.group)
+        gathered = _GatherSequence.apply(x, dim, self.group)
         order = self.all_positions(local_len, x.device).argsort()
         return gathered.index_select(dim, order)
 
@@ -90,6 +90,26 @@ def _chunk_positions(
     tail_start = (2 * size - 1 - rank) * chunk
     tail = torch.arange(tail_start, tail_start + chunk, device=device)
     return torch.cat([head, tail])
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along `dim` in forward, reduce-scatter of the gradient in backward: torch's
+    `all_gather_single_autograd` does the same, but its backward calls the collective inside
+    autograd's C++ where the comm timer (`metrics/comm_timer.py`) does not see it; here both
+    go through the functional collectives' Python API, so the cp axis's bytes count both."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        gathered = funcol.all_gather_tensor(x.contiguous(), gather_dim=dim, group=group)
+        return funcol.wait_tensor(gathered)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        part = funcol.reduce_scatter_tensor(
+            grad.contiguous(), "sum", scatter_dim=ctx.dim, group=ctx.group
+        )
+        return funcol.wait_tensor(part), None, None
 
 
 def context_shard(meshes: Meshes | None) -> ContextShard | None:

@@ -517,14 +517,40 @@ def _kv_width(args: ModelArgs, tp: int) -> int:
 def _context_parallel(
     ctx: _Ctx, args: ModelArgs, layers: int, attention_compute_s: float
 ) -> AxisComm:
-    """The trainer has no context parallelism yet; modeled as ring attention (Liu et al. 2023):
-    per block per micro-batch each rank passes its KV block (tokens * kv width * 2 bytes) cp-1
-    times around the ring in forward ((cp-1)/cp of the sequence's KV), and twice as much in
-    backward (keys/values again and their gradients); full recompute adds a forward. The hops
-    overlap the attention blocks they feed: exposed = max(0, time - attention_compute_s)."""
+    """dstrain's trainer (`cp_gather`, `parallel/context_parallel.py`): per block per
+    micro-batch one all-gather of what each token contributes to the keys and values (MLA's
+    latent and rotated RoPE key; MHA's keys and values) over the whole sequence, and one
+    reduce-scatter of its gradient in backward; full recompute gathers again. nccl-tests' size
+    is the gathered sequence's. All exposed: the gather sits between two matmuls of the block.
+    Other engines: ring attention (Liu et al. 2023, `_ring`)."""
     cp = ctx.layout.cp
     if cp == 1:
         return AxisComm(group_size=1)
+    if not ctx.layout.traits.cp_gather:
+        return _ring(ctx, args, layers, attention_compute_s)
+    size = ctx.tokens * cp * _gathered_width(args, ctx.layout.tp) * ACTIVATION_BYTES
+    calls = (3 if ctx.recompute_full else 2) * layers * ctx.microbatches
+    out = ctx.axis("cp", "all_gather", calls * size, calls)  # reduce-scatters cost the same
+    out.exposed_seconds = out.seconds
+    return out
+
+
+def _gathered_width(args: ModelArgs, tp: int) -> int:
+    """Elements per token the trainer's context parallelism gathers on one tp rank: MLA's
+    latent and RoPE key (replicated over tp), MHA's keys and values of its kv heads."""
+    if args.attention == "mla":
+        return args.kv_lora_rank + args.qk_rope_head_dim
+    head_dim, _ = score_head_dims(args)
+    return 2 * -(-args.kv_heads // tp) * head_dim
+
+
+def _ring(ctx: _Ctx, args: ModelArgs, layers: int, attention_compute_s: float) -> AxisComm:
+    """Ring attention (Liu et al. 2023), as other engines run context parallelism: per block
+    per micro-batch each rank passes its KV block (tokens * kv width * 2 bytes) cp-1 times
+    around the ring in forward ((cp-1)/cp of the sequence's KV), and twice as much in backward
+    (keys/values again and their gradients); full recompute adds a forward. The hops overlap
+    the attention blocks they feed: exposed = max(0, time - attention_compute_s)."""
+    cp = ctx.layout.cp
     size = ctx.tokens * _kv_width(args, ctx.layout.tp) * ACTIVATION_BYTES
     hops = (cp - 1) * (4 if ctx.recompute_full else 3) * layers * ctx.microbatches
     out = ctx.axis("cp", "p2p", hops * size, hops)

@@ -18,7 +18,9 @@ class Engine:
     `loss_transient`: bytes per logit and head its cross-entropy keeps until backward, and the
     extra its backward needs for one head (None: dstrain's, by precision, `memory.py`).
     `fp8_input_bytes`: bytes per element of an FP8 GEMM's saved input; `fp8_weight_bytes`: bytes
-    per FP8-recipe parameter of weight copies kept across micro-batches."""
+    per FP8-recipe parameter of weight copies kept across micro-batches. `cp_gather`: context
+    parallelism all-gathers what each token contributes to the keys and values (MLA's latent)
+    and reduce-scatters its gradient, rather than passing keys and values around a ring."""
 
     name: str
     loss_parallel: bool
@@ -27,6 +29,7 @@ class Engine:
     loss_transient: float | None
     fp8_input_bytes: float
     fp8_weight_bytes: float
+    cp_gather: bool = False
 
 
 ENGINES = {
@@ -36,7 +39,8 @@ ENGINES = {
         # the cross-entropy is vocab-parallel (`train/loss.py`; without TP an eager fp32 one,
         # measured by the dry run); FP8 GEMMs keep their bf16 inputs and no E4M3 copy
         # outlives a GEMM (`model/fp8.py`).
-        Engine("dstrain", True, None, None, None, 2.0, 0.0),
+        # Context parallelism gathers MLA's latent (`parallel/context_parallel.py`).
+        Engine("dstrain", True, None, None, None, 2.0, 0.0, cp_gather=True),
         # Megatron-LM, NeMo and Megatron-Bridge, and the forks of the table (Megatron-DeepSpeed,
         # metaseq, Zero Bubble's): vocab-parallel cross-entropy, which keeps an fp32 softmax of
         # its shard (4 bytes per logit) and writes the gradient into it, with the 16-bit logits

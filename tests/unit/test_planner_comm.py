@@ -324,8 +324,25 @@ def test_pp_sends_one_activation_and_one_gradient_per_micro_batch_and_chunk():
     assert interleaved.bytes == 2 * pp.bytes
 
 
-def test_cp_ring_attention_hides_behind_attention():
+def test_cp_in_dstrain_gathers_the_latent_exposed():
+    """dstrain's trainer: one all-gather of the 576-value latent of the whole sequence per block
+    and micro-batch, one reduce-scatter of its gradient; a third call under full recompute."""
     layout = Layout(dp=2, cp=4, micro_batch=1, global_batch=2, seq_len=8192)
+    cp = step(V3, layout).cp
+    latent = V3.kv_lora_rank + V3.qk_rope_head_dim
+    assert cp.bytes == 2 * 8192 * latent * 2
+    assert cp.exposed_seconds == cp.seconds > 0
+    assert step(V3, layout, attention_compute_s=1e3).cp.exposed_seconds == cp.seconds
+    recompute = step(V3, layout.with_(recompute="full")).cp
+    assert recompute.bytes == 3 * 8192 * latent * 2
+    ring = step(V3, layout.with_(engine="megatron")).cp
+    print(f"cp4 at 8K, one V3 block: latent gather {cp.bytes / 2**20:.1f} MiB, ring "
+          f"{ring.bytes / 2**20:.1f} MiB")  # fmt: skip
+    assert ring.bytes > 50 * cp.bytes
+
+
+def test_cp_ring_attention_hides_behind_attention():
+    layout = Layout(dp=2, cp=4, micro_batch=1, global_batch=2, seq_len=8192, engine="megatron")
     cp = step(V3, layout).cp
     heads = V3.num_heads * (V3.qk_nope_head_dim + V3.qk_rope_head_dim + V3.v_head_dim)
     assert cp.bytes == 3 * 3 * (8192 / 4) * heads * 2  # (cp-1) hops, forward + 2x backward
