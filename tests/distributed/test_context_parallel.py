@@ -47,3 +47,42 @@ def test_head_tail_chunks_balance_the_work(ranks):
     assert len(set(pairs)) == 1, pairs  # the same causal work on every rank
     seq = 2 * cp * chunk
     assert sum(pairs) == seq * (seq + 1) // 2
+
+
+def test_the_trainers_cp_bytes_are_the_planners(tmp_path):
+    """dp_shard 2 x cp 2 in bf16 (the planner's activation bytes): the comm timer's bytes on
+    the cp axis per step (every block's latent gather and its gradient's reduce-scatter, MTP's
+    block included) equal what `dstrain plan` prices for the same layout."""
+    import json
+    import subprocess
+    import sys
+
+    from dstrain.config.flavors import flavor_args
+    from dstrain.planner.comm import CommConstants, comm_per_step
+    from dstrain.planner.layout import Layout
+    from tests.unit.test_planner_comm import cluster
+
+    (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 300)
+    shape = {"train.seq_len": 64, "train.micro_batch_size": 2, "train.global_batch_size": 8}
+    overrides = {
+        "parallel.cp": 2, "parallel.dp_shard": 2, "train.precision": "bf16", "train.steps": 2,
+        "data.source": tmp_path / "corpus.txt", "data.cache_dir": tmp_path / "cache",
+        "run.root": tmp_path / "runs", "metrics.log_interval": 1, "checkpoint.enable": "false",
+        **shape,
+    }  # fmt: skip
+    command = [sys.executable, "-m", "dstrain", "train", "--nproc", "4"]
+    for key, value in overrides.items():
+        command += ["--set", f"{key}={value}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    lines = (tmp_path / "runs" / "default" / "metrics.jsonl").read_text().splitlines()
+    counted = {json.loads(line)["comm/cp/bytes_per_step"] for line in lines}
+    args = flavor_args("debug")
+    layout = Layout(dp=2, cp=2, micro_batch=2, global_batch=8, seq_len=64)
+    blocks = args.num_layers + args.num_mtp_modules
+    planned = comm_per_step(
+        args, layout, cluster(), CommConstants(), layers_per_rank=blocks,
+        moe_layers_per_rank=0, dense_params_per_rank=0, expert_params_per_rank=0,
+    ).cp.bytes  # fmt: skip
+    print(f"cp bytes per step: trainer {counted}, planner {planned:.0f}")
+    assert counted == {planned}
