@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from dstrain.model.attention import MHA, MLA
+from dstrain.model.transformer import Transformer
 from dstrain.parallel.mesh import Meshes
 
 
@@ -68,7 +70,8 @@ class ContextShard:
 
     def causal_mask(self, local_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """[1, 1, L, L x size] bool: this rank's queries against the whole sequence's keys
-        (`gather`'s order), causal by position."""
+        (`gather`'s order), causal by position: the pairs it attends, its share of the work
+        (attention itself runs chunk by chunk, `model/attention._attention`)."""
         q = self.positions(local_len, device)
         k = torch.arange(local_len * self.size, device=device)
         return (q[:, None] >= k[None, :])[None, None]
@@ -123,9 +126,6 @@ def context_shard(meshes: Meshes | None) -> ContextShard | None:
 def apply_context_parallel(model: torch.nn.Module, shard: ContextShard) -> None:
     """Make `model` (a Transformer, or a pipeline stage's chunk of one) run on this rank's part
     of each sequence: its RoPE positions and every attention module's gather and mask."""
-    from dstrain.model.attention import MHA, MLA
-    from dstrain.model.transformer import Transformer
-
     for module in model.modules():
         if isinstance(module, Transformer | MLA | MHA):
             module.context = shard
