@@ -23,7 +23,7 @@ from dstrain.config.hf_config import deepseek_notes
 from dstrain.config.model_args import ModelArgs
 from dstrain.config.schema import DstrainConfig
 from dstrain.errors import UserError
-from dstrain.model.hf_files import Problem, read_headers
+from dstrain.model.hf_files import Headers, Problem, read_headers
 from dstrain.model.hf_verify import fix_for, summary, verify
 
 KEY = "model.init_from"
@@ -39,13 +39,14 @@ class HFCheck:
     problems: list[Problem]
     notes: list[str]
     ranks: list[dict[str, Any]] = field(default_factory=list)
+    headers: Headers | None = None  # what was read, for the ranks' plans; not reported
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
     def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
+        out = {k: v for k, v in asdict(self).items() if k != "headers"}
         out["problems"] = [asdict(p) for p in self.problems]
         out["ok"] = self.ok
         return out
@@ -64,13 +65,17 @@ def check_headers(folder: Path, args: ModelArgs) -> HFCheck:
         header_seconds=time.perf_counter() - began,
         problems=problems,
         notes=deepseek_notes(headers.config),
+        headers=headers,
     )
 
 
-def init_from_findings(config: DstrainConfig, args: ModelArgs | None) -> list[Finding]:
+def init_from_findings(
+    config: DstrainConfig, args: ModelArgs | None, world_size: int | None
+) -> list[Finding]:
     """`model.init_from`'s header check as `check` findings: one error per kind of problem,
-    the notes as info. Nothing when init_from is unset or its folder has no config.json (a rule
-    says so already)."""
+    the notes as info; when it fits and the world size is known, what the first and the last
+    rank will read (planned on the headers already read). Nothing when init_from is unset or
+    its folder has no config.json (a rule says so already)."""
     folder = config.model.init_from
     if folder is None or args is None or not (Path(folder) / "config.json").exists():
         return []
@@ -81,17 +86,29 @@ def init_from_findings(config: DstrainConfig, args: ModelArgs | None) -> list[Fi
         by_kind: dict[str, list[Problem]] = {}
         for problem in result.problems:
             by_kind.setdefault(problem.kind, []).append(problem)
-        findings += [error(KEY, f"{folder}: {summary(found)}", fix) for found in by_kind.values()]
-    else:
-        findings.append(
-            info(
-                KEY,
-                f"{result.tensors:,} tensors in {result.files} file(s) "
-                f"({result.checkpoint_bytes / 2**30:,.1f} GiB) fit the model "
-                f"(headers checked in {result.header_seconds:.1f} s)",
-            )
+        return findings + [
+            error(KEY, f"{folder}: {summary(found)}", fix) for found in by_kind.values()
+        ]
+    findings.append(
+        info(
+            KEY,
+            f"{result.tensors:,} tensors in {result.files} file(s) "
+            f"({result.checkpoint_bytes / 2**30:,.1f} GiB) fit the model "
+            f"(headers checked in {result.header_seconds:.1f} s)",
         )
-    return findings
+    )
+    if world_size is None:
+        return findings
+    _plan_ranks(result, config, world_size, sorted({0, world_size - 1}))
+    return findings + [
+        info(
+            KEY,
+            f"rank {r['rank']} of {world_size} will read {_gib(r['bytes'])} from {r['files']} "
+            f"file(s), {r['tensors']} slices ({r['bytes'] / max(1, r['share_bytes']):.2f}x "
+            "the shards it holds); `dstrain ckpt verify-hf` lists every pipeline position",
+        )
+        for r in result.ranks
+    ]
 
 
 def refuse_bad_init_from(config: DstrainConfig, args: ModelArgs) -> None:
@@ -119,23 +136,6 @@ def _resumes(config: DstrainConfig) -> bool:
     return True
 
 
-def rank_read_findings(
-    config: DstrainConfig, args: ModelArgs, world_size: int, ranks: list[int]
-) -> list[Finding]:
-    """What `ranks` will read, as notes for `dstrain check` (after a clean header check)."""
-    folder = Path(config.model.init_from or "")
-    result = verify_hf(folder, config, args, world_size, ranks)
-    return [
-        info(
-            KEY,
-            f"rank {r['rank']} of {world_size} will read {_gib(r['bytes'])} from {r['files']} "
-            f"file(s), {r['tensors']} slices ({r['bytes'] / max(1, r['share_bytes']):.2f}x "
-            "the shards it holds); `dstrain ckpt verify-hf` lists every pipeline position",
-        )
-        for r in result.ranks
-    ]
-
-
 def _gib(n: int) -> str:
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
@@ -151,19 +151,27 @@ def verify_hf(
     folder: Path, config: DstrainConfig, args: ModelArgs, world_size: int, ranks: list[int]
 ) -> HFCheck:
     """The header check, then each of `ranks`' planned reads (none when the headers fail)."""
+    result = check_headers(folder, args)
+    if not result.problems:
+        planned = config.model_copy(deep=True)
+        planned.model.init_from = folder
+        _plan_ranks(result, planned, world_size, ranks)
+    return result
+
+
+def _plan_ranks(result: HFCheck, config: DstrainConfig, world_size: int, ranks: list[int]) -> None:
+    """Each of `ranks`' reads of `config.model.init_from` (whose headers `result` read), built
+    on the fake backend and counted, not read, into `result.ranks`."""
     from dstrain.train.dry_run import dry_run_rank  # torch and the fake backend
 
-    result = check_headers(folder, args)
-    if result.problems:
-        return result
-    planned = config.model_copy(deep=True)
-    planned.model.init_from = folder
     for rank in ranks:
-        report = dry_run_rank(planned, world_size, rank, step=False, read_init_from=False)
+        report = dry_run_rank(
+            config, world_size, rank, step=False, read_init_from=False,
+            init_from_headers=result.headers,
+        )  # fmt: skip
         assert report.init_from is not None
         result.ranks.append(
             {"rank": rank, "coords": report.coords, "stages": report.stages}
             | asdict(report.init_from)
             | {"seconds": report.seconds.get("init_from", 0.0) + report.seconds["build"]}
         )
-    return result

@@ -119,14 +119,10 @@ def _init_from_findings(
     config = loaded.config
     if config.model.init_from is None or has_errors(findings):
         return []
-    from dstrain.checkpoint.hf_check import init_from_findings, rank_read_findings
+    from dstrain.checkpoint.hf_check import init_from_findings
     from dstrain.config.flavors import resolve_model_args
 
-    args = resolve_model_args(config.model)
-    found = init_from_findings(config, args)
-    if world is None or has_errors(found):
-        return found
-    return found + rank_read_findings(config, args, world, sorted({0, world - 1}))
+    return init_from_findings(config, resolve_model_args(config.model), world)
 
 
 def exit_status(findings: list[Finding], judge: str = "engine") -> int:

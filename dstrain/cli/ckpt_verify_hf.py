@@ -12,6 +12,7 @@ from dstrain.cli.common import (
     console,
     positive_int,
     print_json,
+    refuse_ranks_outside,
     size_text,
 )
 from dstrain.config.flavors import resolve_model_args
@@ -74,12 +75,7 @@ def run(args: argparse.Namespace) -> int:
     world = _world(args, loaded.config)
     raise_if_errors([f for f in preflight(loaded, world) if f.key != "data.source"])
     ranks = args.ranks if args.ranks else default_ranks(loaded.config, world)
-    bad = [r for r in ranks if not 0 <= r < world]
-    if bad:
-        raise UserError(
-            f"--rank {' '.join(map(str, bad))} outside the world of {world} ranks",
-            f"give ranks in 0..{world - 1}",
-        )
+    refuse_ranks_outside(ranks, world)
     args_model = resolve_model_args(loaded.config.model)
     result = verify_hf(args.folder, loaded.config, args_model, world, ranks)
     if args.json:

@@ -101,3 +101,14 @@ def size_text(n: float) -> str:
         if n >= 1024**power:
             return f"{n / 1024**power:.1f} {unit}"
     raise AssertionError(n)
+
+
+def refuse_ranks_outside(ranks: list[int], world: int, exit_code: int = 2) -> None:
+    """`--rank R ...` must name ranks of the world of `world` ranks."""
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad:
+        raise UserError(
+            f"--rank {' '.join(map(str, bad))} outside the world of {world} ranks",
+            f"give ranks in 0..{world - 1}",
+            exit_code=exit_code,
+        )

@@ -4,7 +4,7 @@ runtimes on torch's fake process group (`dstrain/train/dry_run.py`) and print wh
 import argparse
 from typing import Any
 
-from dstrain.cli.common import console, print_json, size_text
+from dstrain.cli.common import console, print_json, refuse_ranks_outside, size_text
 from dstrain.config.load import LoadedConfig
 from dstrain.errors import UserError
 
@@ -56,13 +56,7 @@ def dry_run_world(args: argparse.Namespace, loaded: LoadedConfig) -> int:
 
 def run_dry(args: argparse.Namespace, loaded: LoadedConfig, world: int) -> int:
     ranks = args.ranks if args.ranks else sorted({0, world - 1})
-    bad = [r for r in ranks if not 0 <= r < world]
-    if bad:
-        raise UserError(
-            f"--rank {' '.join(map(str, bad))} outside the world of {world} ranks",
-            f"give ranks in 0..{world - 1}",
-            exit_code=1,
-        )
+    refuse_ranks_outside(ranks, world, exit_code=1)
     from dstrain.train.dry_run import dry_run_rank  # torch loads only for a good config
 
     out = console(stderr=args.json)

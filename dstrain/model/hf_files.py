@@ -13,7 +13,6 @@ Every problem is collected (`Problem`), none raised: the caller reports them all
 """
 
 import json
-import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,8 +224,3 @@ def _entry(file: Path, name: str, spec: object, problems: list[Problem]) -> Tens
         )
         return None
     return TensorEntry(file, dtype, shape, end - begin)
-
-
-def file_bytes(files: list[Path]) -> int:
-    """The files' logical sizes (a sparse replica's too)."""
-    return sum(os.stat(f).st_size for f in files)

@@ -47,20 +47,21 @@ from dstrain.model.init import LocalBox, canonical_name, reset_buffers, whole
 
 @dataclass
 class Loaded:
-    """What a load filled: tensors, of which FP8-dequantised, and MTP copies compared."""
+    """What a load filled: tensors, of which FP8-dequantised."""
 
     tensors: int = 0
     fp8: int = 0
-    copies_compared: int = 0
 
 
 class HFCheckpoint:
     """The tensors of a checkpoint folder, known from its headers (`hf_files.read_headers`),
     read slice by slice. `read_data=False` plans instead: `read` returns an empty tensor of the
     slice's shape on `meta` and counts the bytes and files a load would read (the pre-launch
-    check's per-rank reads)."""
+    check's per-rank reads). `headers`: the folder's, where the caller read them already."""
 
-    def __init__(self, folder: Path, *, read_data: bool = True) -> None:
+    def __init__(
+        self, folder: Path, *, read_data: bool = True, headers: Headers | None = None
+    ) -> None:
         if not any(folder.glob("*.safetensors")) and not (folder / INDEX).exists():
             raise UserError(
                 f"model.init_from: no .safetensors files in {folder}",
@@ -70,7 +71,7 @@ class HFCheckpoint:
             )
         self.folder = folder
         self.read_data = read_data
-        self.headers: Headers = read_headers(folder)
+        self.headers: Headers = headers if headers is not None else read_headers(folder)
         self.tensors: dict[str, TensorEntry] = self.headers.tensors
         self.block, _ = block_size(self.headers.config)
         self._handles: dict[Path, object] = {}
@@ -161,7 +162,7 @@ def load_parameters(
     for copy, main in mtp_copies(args).items():
         copies.setdefault(main, []).append(copy)
     reset_buffers(model)  # RoPE tables, load counters; balancing biases zero (DeepSeek-V2)
-    for name, tensor in [*model.named_parameters(), *_biases(model)]:
+    for name, tensor in [*model.named_parameters(), *expert_biases(model)]:
         key = canonical_name(name)
         box = local_box(tensor)
         hf = list(to_hf({key: torch.empty(box.global_shape, device="meta")}, args))
@@ -171,20 +172,17 @@ def load_parameters(
             continue  # a DeepSeek-V2 checkpoint: no balancing bias, it starts at zero
         _load_box(checkpoint, box, hf, loaded)
         for copy in copies.get(hf[0], ()):
-            _compare_copy(checkpoint, box, hf[0], copy, loaded)
+            _compare_copy(checkpoint, box, hf[0], copy)
     return loaded
 
 
-def _compare_copy(
-    checkpoint: HFCheckpoint, box: LocalBox, main: str, copy: str, loaded: Loaded
-) -> None:
+def _compare_copy(checkpoint: HFCheckpoint, box: LocalBox, main: str, copy: str) -> None:
     """The MTP layer's copy of the embedding or head equals the main tensor on this rank's box
     (`hf_verify`'s docstring: dstrain's MTP shares them, as DeepSeek's does)."""
     if copy not in checkpoint.tensors or box.local.numel() == 0:
         return
     index = tuple(slice(o, o + n) for o, n in zip(box.offset, box.local.shape, strict=True))
     ours, theirs = checkpoint.read(main, index), checkpoint.read(copy, index)
-    loaded.copies_compared += 1
     if checkpoint.read_data and not torch.equal(ours, theirs):
         rows = (ours != theirs).flatten(1).any(1).nonzero().flatten()
         raise UserError(
@@ -198,7 +196,8 @@ def _compare_copy(
         )
 
 
-def _biases(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+def expert_biases(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The MoE balancing biases: buffers, yet checkpoint tensors."""
     return [(n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias")]
 
 

@@ -41,7 +41,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from dstrain.config.schema import DstrainConfig
 from dstrain.model.hf_adapter import to_hf
-from dstrain.model.hf_load import HFCheckpoint, load_parameters
+from dstrain.model.hf_files import Headers
+from dstrain.model.hf_load import HFCheckpoint, expert_biases, load_parameters
 from dstrain.model.init import BLOCK_ELEMENTS, canonical_name
 from dstrain.model.transformer import Transformer
 from dstrain.parallel.distributed import World
@@ -96,11 +97,17 @@ class InitFromReads:
 
 
 def dry_run_rank(
-    config: DstrainConfig, world_size: int, rank: int, step: bool, read_init_from: bool = True
+    config: DstrainConfig,
+    world_size: int,
+    rank: int,
+    step: bool,
+    read_init_from: bool = True,
+    init_from_headers: Headers | None = None,
 ) -> RankReport:
     """Build `rank`'s runtime on the fake backend and report it; the group is torn down after.
     With `model.init_from`, run the loader on the rank's model (reading its slices, or with
-    `read_init_from=False` only counting them)."""
+    `read_init_from=False` only counting them; `init_from_headers`: the folder's, read once for
+    all the ranks a caller plans)."""
     began = time.perf_counter()
     dist.init_process_group("fake", rank=rank, world_size=world_size)
     try:
@@ -110,7 +117,7 @@ def dry_run_rank(
         report = _report(config, runtime, rank, world_size)
         report.seconds["build"] = built - began
         if config.model.init_from is not None:
-            report.init_from = init_from_reads(config, runtime, read_init_from)
+            report.init_from = init_from_reads(config, runtime, read_init_from, init_from_headers)
             report.seconds["init_from"] = time.perf_counter() - built
             built = time.perf_counter()
         if step:
@@ -127,10 +134,12 @@ def dry_run_rank(
     return report
 
 
-def init_from_reads(config: DstrainConfig, runtime: Runtime, read: bool) -> InitFromReads:
+def init_from_reads(
+    config: DstrainConfig, runtime: Runtime, read: bool, headers: Headers | None = None
+) -> InitFromReads:
     """The loader on each of the rank's model chunks, on `meta` (module docstring)."""
     assert config.model.init_from is not None
-    checkpoint = HFCheckpoint(config.model.init_from, read_data=read)
+    checkpoint = HFCheckpoint(config.model.init_from, read_data=read, headers=headers)
     chunks = [_chunk(s.submod) for s in runtime.pipeline.stages] if runtime.pipeline else []
     loaded = 0
     try:
@@ -152,7 +161,7 @@ def _share_bytes(runtime: Runtime, checkpoint: HFCheckpoint) -> int:
     """The elements of the rank's shards, each at its checkpoint tensor's bytes per element."""
     args = runtime.model_args
     total = 0
-    for name, param in [*runtime.model.named_parameters(), *_expert_biases(runtime.model)]:
+    for name, param in [*runtime.model.named_parameters(), *expert_biases(runtime.model)]:
         key = canonical_name(name)
         hf = next(iter(to_hf({key: torch.empty(param.shape, device="meta")}, args)), None)
         entry = checkpoint.tensors.get(hf) if hf else None
@@ -161,10 +170,6 @@ def _share_bytes(runtime: Runtime, checkpoint: HFCheckpoint) -> int:
         local = param._local_tensor if isinstance(param, DTensor) else param
         total += local.numel() * entry.nbytes // max(1, math.prod(entry.shape))
     return total
-
-
-def _expert_biases(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [(n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias")]
 
 
 def _report(config: DstrainConfig, runtime: Runtime, rank: int, world_size: int) -> RankReport:
