@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from dstrain.config.model_args import ModelArgs
 from dstrain.model.documents import masked_attention
@@ -139,12 +140,24 @@ def _attention(
     for rows, start in context.query_chunks(q_BLHK.size(1)):
         q = q_BLHK[:, rows]
         end = start + q.size(1)
-        keys = torch.arange(end, device=q.device)
-        visible = keys[None, :] <= torch.arange(start, end, device=q.device)[:, None]
         outputs.append(
-            _causal_attention(q, k_BSHK[:, :end], v_BSHV[:, :end], scale, visible[None, None])
+            _causal_attention(q, k_BSHK[:, :end], v_BSHV[:, :end], scale, _bottom_right(q, end))
         )
     return torch.cat(outputs, dim=1)
+
+
+def _bottom_right(q_BLHK: torch.Tensor, end: int) -> torch.Tensor:
+    """The causal mask of queries at positions end - L .. end - 1 against keys 0 .. end - 1.
+    On CUDA torch's bias (`causal_lower_right`), which the fused kernels apply without an
+    [L, end] mask in memory; elsewhere that mask (a CPU run would materialise it anyway, and
+    the bias cannot be made under fake tensors: the dry run)."""
+    length = q_BLHK.size(1)
+    if q_BLHK.is_cuda:
+        return causal_lower_right(length, end)
+    keys = torch.arange(end, device=q_BLHK.device)
+    return (keys[None, :] <= torch.arange(end - length, end, device=q_BLHK.device)[:, None])[
+        None, None
+    ]
 
 
 def _causal_attention(

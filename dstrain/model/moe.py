@@ -74,12 +74,12 @@ class Router(nn.Module):
         return grouped_TGe.masked_fill(mask_TG.unsqueeze(-1), float("-inf")).flatten(1)
 
     @torch.no_grad()
-    def count(self, experts_TK: torch.Tensor) -> None:
+    def count(self, experts_TK: torch.Tensor, rows_T: torch.Tensor | None = None) -> None:
         """Add the choices of the MoE's tokens to the load counters (the MoE calls it on all of its
-        tokens, also when each tp rank routed a share of them)."""
+        tokens, also when each tp rank routed a share of them); `rows_T`: only these rows'."""
         # Activation checkpointing re-runs the forward inside backward; count the first pass only.
         if torch._C._current_graph_task_id() == -1:
-            counts = count_per_expert(experts_TK, self.num_experts)
+            counts = count_per_expert(experts_TK, self.num_experts, rows_T)
             self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
 
     @torch.no_grad()
@@ -90,13 +90,19 @@ class Router(nn.Module):
         self.expert_bias += speed * torch.sign(load.mean() - load)
 
 
-def count_per_expert(experts_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Token copies per expert [E] (int64). A scatter-add rather than `bincount`, whose output
-    length depends on the data, so that fake-tensor tracing (dry runs, torch.compile) sees a
-    static shape."""
+def count_per_expert(
+    experts_TK: torch.Tensor, num_experts: int, rows_T: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Token copies per expert [E] (int64), of the rows where `rows_T` (bool [T]) is set, else
+    of all. A scatter-add (of zeros for the rows left out) rather than `bincount` or a boolean
+    index, whose output lengths depend on the data, so that fake-tensor tracing (dry runs,
+    torch.compile) sees static shapes."""
     ids = experts_TK.flatten()
+    ones = torch.ones_like(ids)
+    if rows_T is not None:
+        ones = rows_T[:, None].expand_as(experts_TK).flatten().to(ids.dtype)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
-    return counts.scatter_add_(0, ids, torch.ones_like(ids))
+    return counts.scatter_add_(0, ids, ones)
 
 
 class GroupedExperts(nn.Module):
@@ -278,8 +284,7 @@ class MoE(nn.Module):
             routed_TD, scores_TE, experts_TK = (
                 share.gather(t, T) for t in (routed_TD, scores_TE, experts_TK)
             )
-        counted = experts_TK if self.counted_rows is None else experts_TK[self.counted_rows]
-        self.router.count(counted)
+        self.router.count(experts_TK, self.counted_rows)
         out_TD = routed_TD
         if self.shared_experts is not None:
             out_TD = out_TD + (shared[0] if shared else self.shared_experts(x_TD))

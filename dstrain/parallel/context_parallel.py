@@ -104,12 +104,12 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
-        gathered = funcol.all_gather_tensor(x.contiguous(), gather_dim=dim, group=group)
+        gathered = funcol.all_gather_single(x.contiguous(), gather_dim=dim, group=group)
         return funcol.wait_tensor(gathered)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        part = funcol.reduce_scatter_tensor(
+        part = funcol.reduce_scatter_single(
             grad.contiguous(), "sum", scatter_dim=ctx.dim, group=ctx.group
         )
         return funcol.wait_tensor(part), None, None

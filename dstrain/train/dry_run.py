@@ -45,6 +45,7 @@ from dstrain.model.hf_files import Headers
 from dstrain.model.hf_load import HFCheckpoint, expert_biases, load_parameters
 from dstrain.model.init import BLOCK_ELEMENTS, canonical_name
 from dstrain.model.transformer import Transformer
+from dstrain.parallel.context_parallel import context_shard
 from dstrain.parallel.distributed import World
 from dstrain.parallel.expert_parallel import ExpertParallelExperts
 from dstrain.parallel.materialize import local_box
@@ -52,11 +53,11 @@ from dstrain.parallel.mesh import Meshes
 from dstrain.parallel.pipeline_sim import schedule_actions
 from dstrain.parallel.state_bytes import FP32, state_bytes
 from dstrain.planner.stages import V_SHAPED
-from dstrain.train.loss import TokenCounts, loss_terms
+from dstrain.train.loss import TokenCounts, labels_of, loss_terms, split_targets
 from dstrain.train.runtime import Runtime, build_runtime
-from dstrain.train.step import autocast
+from dstrain.train.step import autocast, model_inputs
 
-AXES = ("pp", "dp_replicate", "dp_shard", "tp", "ep", "efsdp")
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "efsdp")
 
 
 @dataclass
@@ -298,17 +299,33 @@ def _tokens(config: DstrainConfig, runtime: Runtime) -> torch.Tensor:
     return torch.randint(0, runtime.model_args.vocab_size, shape)
 
 
+def _inputs(
+    config: DstrainConfig, runtime: Runtime
+) -> tuple[torch.Tensor, dict, list[torch.Tensor] | None]:
+    """One micro-batch's model inputs on this rank, and each depth's targets where they are not
+    the tokens': under context parallelism its part of the sequences, with each MTP depth's
+    input tokens and targets (`step.model_inputs`, `loss.split_targets`)."""
+    context = context_shard(runtime.meshes)
+    if context is None:
+        return _tokens(config, runtime), {}, None
+    shape = (runtime.batch.micro_batch_size, config.train.seq_len + 1)
+    batch = torch.randint(0, runtime.model_args.vocab_size, shape)
+    depths = runtime.model_args.num_mtp_modules
+    tokens, extra = model_inputs(batch, None, context, depths)
+    return tokens, extra, split_targets(labels_of(batch), depths, context.split)
+
+
 def _whole_model_step(
     config: DstrainConfig, runtime: Runtime, fake: FakeTensorMode
 ) -> tuple[float, str, float, float]:
     tracker, recompute = _tracker(runtime.model, runtime.optimizer), _RecomputeFlops()
     with fake:
         with tracker, recompute:
-            tokens = _tokens(config, runtime)
+            tokens, extra, targets = _inputs(config, runtime)
             with autocast(config.train.precision, torch.device("cpu")):
-                outputs = runtime.model(tokens)
-            _loss(outputs, tokens, runtime).backward()
-        loss_peak = _loss_peak(outputs, tokens, runtime)
+                outputs = runtime.model(tokens, **extra)
+            _loss(outputs, tokens, runtime, targets).backward()
+        loss_peak = _loss_peak(outputs, tokens, runtime, targets)
         # Outside the tracker: its peak is the moment of the largest total, and the first
         # step's new Adam moments would make that a moment with no activations left.
         runtime.optimizer.step()
@@ -319,16 +336,27 @@ def _whole_model_step(
     return _activations(peak), ran, loss_peak, float(recomputed)
 
 
-def _loss(outputs: object, tokens: torch.Tensor, runtime: Runtime) -> torch.Tensor:
+def _loss(
+    outputs: object,
+    tokens: torch.Tensor,
+    runtime: Runtime,
+    targets: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
     """The trainer's own loss (`train/loss.py`: each head's cross-entropy over its logits upcast
     to fp32), so the peak holds what the real step's loss holds; the tokens stand in as labels."""
     depths = len(outputs) if isinstance(outputs, tuple) else 1
     counts = TokenCounts(tuple(tokens.numel() for _ in range(depths)))
-    total, _ = loss_terms(outputs, tokens, counts, runtime.model_args.mtp_loss_weight)
+    weight = runtime.model_args.mtp_loss_weight
+    total, _ = loss_terms(outputs, tokens, counts, weight, targets=targets)
     return total
 
 
-def _loss_peak(outputs: object, tokens: torch.Tensor, runtime: Runtime) -> float:
+def _loss_peak(
+    outputs: object,
+    tokens: torch.Tensor,
+    runtime: Runtime,
+    targets: list[torch.Tensor] | None = None,
+) -> float:
     """The loss's own peak on this rank: the logits it holds (every head's, main and MTP) and
     the most the cross-entropy's forward and backward allocate on top of them, its gradient
     of the logits included. Measured on detached copies, apart from the step's tracker."""
@@ -337,7 +365,8 @@ def _loss_peak(outputs: object, tokens: torch.Tensor, runtime: Runtime) -> float
     held = sum(_local_bytes(h) for h in leaves)
     tracker = MemTracker()
     with tracker:
-        _loss(leaves if isinstance(outputs, tuple) else leaves[0], tokens, runtime).backward()
+        heads_out = leaves if isinstance(outputs, tuple) else leaves[0]
+        _loss(heads_out, tokens, runtime, targets).backward()
     return held + _activations(tracker.get_tracker_snapshot("peak"))
 
 
