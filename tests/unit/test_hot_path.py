@@ -85,9 +85,9 @@ class _BalancedRouting:
         self.num_experts, self.ep, self.rows = num_experts, ep, None
 
     def counting(self, original):
-        def count(experts_TK, num_experts):
+        def count(experts_TK, num_experts, rows_T=None):
             self.rows = experts_TK.numel()
-            return original(experts_TK, num_experts)
+            return original(experts_TK, num_experts, rows_T)
 
         return count
 
