@@ -15,7 +15,7 @@ it adds no ranks of its own.
 
 from dataclasses import dataclass
 
-from dstrain.config.findings import Finding, error, trainer_limit, warning
+from dstrain.config.findings import Finding, error, warning
 from dstrain.config.schema import ParallelConfig
 
 
@@ -81,7 +81,7 @@ class ParallelDims:
 
     def validate(self) -> list[Finding]:
         """Every problem with the degrees themselves (not with the model or batch)."""
-        problems = [f for f in (self._check_world(), self._check_ep(), self._check_cp()) if f]
+        problems = [f for f in (self._check_world(), self._check_ep()) if f]
         return problems
 
     def _check_world(self) -> Finding | None:
@@ -117,26 +117,6 @@ class ParallelDims:
                 f"choose ep among the divisors of {span}, or raise dp_shard",
             )
         return None
-
-    def _check_cp(self) -> Finding | None:
-        return context_parallel_limit(self.cp, self.pp, self.dp_replicate)
-
-
-def context_parallel_limit(cp: int, pp: int = 1, dp_replicate: int = 1) -> Finding | None:
-    """What the trainer's context parallelism does not combine with yet (known from the degrees
-    alone): it runs with dp_shard (FSDP/ZeRO over dp_shard x cp, or DDP), tp (with or without
-    SP) and ep, not yet with pp or HSDP's dp_replicate."""
-    others = {"pp": pp, "dp_replicate": dp_replicate}
-    with_cp = [f"{axis}={n}" for axis, n in others.items() if n > 1]
-    if cp > 1 and with_cp:
-        return trainer_limit(
-            "parallel.cp",
-            f"cp={cp} with {', '.join(with_cp)}: the trainer's context parallelism combines "
-            "with dp_shard (ZeRO-0/1/2/3), tp and ep, not yet with pp or dp_replicate",
-            "set parallel.cp = 1 (tp with sequence_parallel also cuts long sequences), or "
-            f"keep cp and set {', '.join(a + ' = 1' for a in with_cp)}",
-        )
-    return None
 
 
 def tp_spans_nodes(dims: ParallelDims, gpus_per_node: int) -> Finding | None:

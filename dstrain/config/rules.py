@@ -14,7 +14,6 @@ from dstrain.config.findings import Finding, error, info, trainer_limit, warning
 from dstrain.config.model_args import ModelArgs
 from dstrain.config.parallel_dims import (
     ParallelDims,
-    context_parallel_limit,
     stage_trim,
     tp_spans_nodes,
 )
@@ -80,9 +79,6 @@ def rule_world_size(t: CheckTarget) -> Iterable[Finding]:
             "pass --world-size N (or --nodes N --gpus-per-node G), or set cluster.nodes/"
             "cluster.gpus_per_node",
         )
-        p = t.config.parallel
-        if cp := context_parallel_limit(p.cp, p.pp, p.dp_replicate):
-            yield cp
         return
     problems = dims.validate()
     yield from problems

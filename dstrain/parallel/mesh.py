@@ -34,6 +34,17 @@ class Meshes:
     sparse: DeviceMesh
     flat: dict[str, DeviceMesh]
     timeout: timedelta | None = None  # every group's (comm.timeout_s); None: torch's defaults
+    hsdp_cp: DeviceMesh | None = None  # (pp, dp_replicate, dp_shard_cp, tp): HSDP with cp
+
+    def fsdp(self) -> DeviceMesh:
+        """FSDP2's mesh for the dense weights: the dp_shard (x cp) ranks shard them; under HSDP
+        (dp_replicate > 1) 2-D, the replicas outside."""
+        shard = self["dp_shard_cp"] if self.dims.cp > 1 else self["dp_shard"]
+        if self.dims.dp_replicate == 1:
+            return shard
+        if self.hsdp_cp is not None:
+            return self.hsdp_cp["dp_replicate", "dp_shard_cp"]
+        return self.dense["dp_replicate", "dp_shard"]
 
     def __getitem__(self, name: str) -> DeviceMesh:
         """A named 1-D view: any dense axis, `dp`, `dp_shard_cp`, `dp_cp`, `efsdp` or `ep`."""
@@ -62,7 +73,11 @@ def build_meshes(dims: ParallelDims, device_type: str, timeout: timedelta | None
         # Ranks holding the same experts: their expert gradients are summed over this.
         "edp": sparse["dp_replicate", "efsdp"]._flatten("edp"),
     }
-    meshes = Meshes(dims, dense, sparse, flat, timeout)
+    hsdp_cp = None
+    if dims.dp_replicate > 1 and dims.cp > 1:
+        shape = (dims.pp, dims.dp_replicate, dims.dp_shard * dims.cp, dims.tp)
+        hsdp_cp = world._unflatten(0, shape, ("pp", "dp_replicate", "dp_shard_cp", "tp"))
+    meshes = Meshes(dims, dense, sparse, flat, timeout, hsdp_cp)
     if timeout is not None:
         for group in groups(meshes):
             _set_pg_timeout(timeout, group)

@@ -94,11 +94,9 @@ def _apply_fsdp(model: Transformer, config: DstrainConfig, meshes: Meshes) -> No
         )
         experts = {}  # now FSDP-managed: the blocks' fully_shard skips them
     # Context-parallel ranks shard the weights with dp_shard (torchtitan's dp_shard_cp).
-    shard = meshes["dp_shard_cp"] if dims.cp > 1 else meshes["dp_shard"]
-    mesh = meshes.dense["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else shard
     apply_fsdp(
         model,
-        mesh,
+        meshes.fsdp(),
         reshard_after_forward=p.zero_stage == 3,
         param_dtype=param_dtype,
         offload=p.offload_optimizer or p.offload_params,

@@ -43,6 +43,7 @@ from dstrain.config.schema import DstrainConfig
 from dstrain.errors import UserError
 from dstrain.model.hf_load import HFCheckpoint
 from dstrain.model.transformer import Transformer
+from dstrain.parallel.context_parallel import ContextShard, context_shard
 from dstrain.parallel.mesh import Meshes
 from dstrain.parallel.parallelize import parallelize_model
 from dstrain.parallel.pipeline_overlap import has_overlap_actions, overlap_pairs, register_overlap
@@ -136,6 +137,7 @@ class Pipeline:
     layers: list[range] = field(default_factory=list)  # of every stage, for the start-up log
     holders: list[int] = field(default_factory=list)  # stage index -> the pp rank holding it
     tp_mesh: object = None  # the DeviceMesh of the DTensor activations stages hand on (TP + SP)
+    context: ContextShard | None = None  # this rank's part of each sequence (cp)
 
     @property
     def has_first(self) -> bool:
@@ -264,7 +266,17 @@ def build_pipeline(
     group = pp_mesh.get_group()
     tp_mesh = meshes["tp"] if meshes["tp"].size() > 1 else None
     return Pipeline(
-        schedule, stages, union, group, loss, tied, router_names, layers, holders, tp_mesh
+        schedule,
+        stages,
+        union,
+        group,
+        loss,
+        tied,
+        router_names,
+        layers,
+        holders,
+        tp_mesh,
+        context_shard(meshes),
     )
 
 

@@ -454,26 +454,30 @@ def _stage_step(
     chunk = _chunk(module)
     tracker, recompute = _tracker(module), _RecomputeFlops()
     with fake, tracker, recompute:
-        tokens = _tokens(config, runtime)
+        tokens, extra, targets = _inputs(config, runtime)
         if chunk.embed is not None:
             inputs = tokens
         else:
             dtype = torch.bfloat16 if config.train.precision in ("bf16", "fp8") else torch.float32
             shape = (*tokens.shape, runtime.model_args.dim)
             inputs = torch.randn(shape, dtype=dtype, requires_grad=True)
-        kwargs = {"next_tokens": tokens} if chunk.mtp is not None and chunk.embed is None else {}
+        kwargs = {}
+        if chunk.mtp is not None and (chunk.embed is None or extra):
+            # a last stage without the embedding takes MTP's tokens [B, S] (under cp, every
+            # depth's part [B, D, L]); with it, they default to the tokens' own
+            kwargs = {"next_tokens": extra.get("next_tokens", tokens)}
         with autocast(config.train.precision, torch.device("cpu")):
             outputs = module(inputs, **kwargs)
         after_forward = _activations(tracker.get_tracker_snapshot("current"))
         if chunk.head is not None:
-            _loss(outputs, tokens, runtime).backward()
+            _loss(outputs, tokens, runtime, targets).backward()
         else:
             outputs.backward(torch.ones_like(outputs))
     peak = _activations(tracker.get_tracker_snapshot("peak"))
     loss_peak = None
     if chunk.head is not None:
         with fake:
-            loss_peak = _loss_peak(outputs, tokens, runtime)
+            loss_peak = _loss_peak(outputs, tokens, runtime, targets)
     return after_forward, max(0.0, peak - after_forward), loss_peak, recompute.get_total_flops()
 
 

@@ -30,7 +30,7 @@ from dstrain.train.loss import (
     inputs_of,
     labels_of,
 )
-from dstrain.train.step import DataParallel, autocast, to_device
+from dstrain.train.step import DataParallel, autocast, to_device, whole_sequence
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class Evaluator:
                 micro = [to_device(mb, device) for mb in self._micro_batches(batch)]
                 with autocast(precision, device):
                     totals += (
-                        _pipeline_sums(pipeline, micro, device)
+                        _pipeline_sums(pipeline, micro, device, context)
                         if pipeline is not None
                         else _sums(model, micro, self.document_eos, context)
                     )
@@ -129,17 +129,24 @@ def _ce_and_count(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.stack([ce.double(), count.double()])
 
 
-def _pipeline_sums(pipe: Pipeline, micro: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+def _pipeline_sums(
+    pipe: Pipeline,
+    micro: list[torch.Tensor],
+    device: torch.device,
+    context: ContextShard | None = None,
+) -> torch.Tensor:
     """The stages' forward pass (`parallel/pipeline_eval.py`); the last stage's rank adds up the
-    sums, which reach every pipeline rank."""
+    sums, which reach every pipeline rank. Under context parallelism each rank's part of the
+    sequences, and the main head only (no `next_tokens`)."""
     import torch.distributed as dist
 
-    mtp = getattr(pipe.model, "mtp", None) is not None
+    part = context.split if context is not None else whole_sequence
+    mtp = getattr(pipe.model, "mtp", None) is not None and context is None
     next_tokens = [inputs_of(mb)[:, 1:] for mb in micro] if mtp else None
-    outputs = forward_only(pipe, [inputs_of(mb) for mb in micro], next_tokens)
+    outputs = forward_only(pipe, [part(inputs_of(mb)) for mb in micro], next_tokens)
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for out, mb in zip(outputs, micro, strict=False):  # outputs: only on the last stage's rank
         logits = out[0] if isinstance(out, tuple) else out
-        totals += _ce_and_count(logits, labels_of(mb))
+        totals += _ce_and_count(logits, part(labels_of(mb)))
     dist.all_reduce(totals, group=pipe.group)
     return totals

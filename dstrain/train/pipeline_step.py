@@ -7,6 +7,12 @@ the last stage, normalized by the global token counts (which every rank computes
 of the batch: the pp ranks of one data-parallel rank load the same samples). After the step, one
 all-reduce over the pipeline gives every rank the loss, and the gradient norm, the overflow check
 and the MoE statistics each span the pipeline ranks.
+
+Under context parallelism every stage runs on this rank's part of each sequence: stage 0 gets the
+part's tokens, the last stage MTP's per-depth input tokens ([B, D, L], `step.model_inputs`) and,
+as `target`, every depth's targets at this rank's positions stacked [B, D + 1, L]
+(`loss.split_targets`): the schedule cuts keywords and targets into micro-batches along dim 0
+only, so the depths travel as one tensor.
 """
 
 from collections.abc import Callable
@@ -19,7 +25,7 @@ from dstrain.metrics.pipeline_timer import PipelineTimer
 from dstrain.metrics.probes import NO_PROBES, Probes
 from dstrain.parallel.pipeline import Pipeline
 from dstrain.train.heartbeat import TIMEOUT_SIGNS
-from dstrain.train.loss import inputs_of, labels_of, loss_terms, next_tokens_of
+from dstrain.train.loss import inputs_of, labels_of, loss_terms, next_tokens_of, split_targets
 from dstrain.train.loss_scale import LossScaler
 from dstrain.train.step import (
     DataParallel,
@@ -29,9 +35,11 @@ from dstrain.train.step import (
     autocast,
     backward_scale,
     global_counts,
+    model_inputs,
     own_mean,
     set_aux_scale,
     to_device,
+    whole_sequence,
 )
 
 
@@ -57,22 +65,30 @@ def pipeline_step(
     """`probes` time the optimizer phase and the collectives; the forward and backward phases
     are the pipeline timer's F, B, I, W and loss actions."""
     device = next(pipe.model.parameters()).device
-    labels = [labels_of(mb) for mb in micro_batches]  # on the host: counted without a sync
-    counts = global_counts(labels, num_mtp, dp, device)
+    context = pipe.context
+    # On the host: counted without a sync.
+    part = context.split if context is not None else whole_sequence
+    labels = [part(labels_of(mb)) for mb in micro_batches]
+    targets = None
+    if context is not None:
+        targets = [split_targets(labels_of(mb), num_mtp, part) for mb in micro_batches]
+    counts = global_counts(labels, num_mtp, dp, device, targets=targets)
     scale = backward_scale(scaler, dp.size, len(micro_batches))
     set_aux_scale(pipe.model, scale.aux)
 
-    def loss_fn(outputs: object, labels: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        total, parts = loss_terms(outputs, labels, counts, mtp_weight)
+    def loss_fn(outputs: object, target: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        if context is None:
+            total, parts = loss_terms(outputs, target, counts, mtp_weight)
+        else:
+            depths = list(target.unbind(1))
+            total, parts = loss_terms(outputs, depths[0], counts, mtp_weight, targets=depths)
         return total * scale.loss, parts
 
     pipe.loss.fn = timer.timed_loss(loss_fn)
     pipe.loss.parts = {}
     # One copy of the step's batch (the schedule splits it back into micro-batches).
     batch = to_device(torch.cat(micro_batches), device)
-    args = (inputs_of(batch),) if pipe.has_first else ()
-    kwargs = {"next_tokens": next_tokens_of(batch)} if pipe.has_last and num_mtp else {}
-    target = labels_of(batch) if pipe.has_last else None
+    args, kwargs, target = _stage_inputs(pipe, batch, num_mtp)
     try:
         timer.start()
         # Autocast around the whole step: upstream runs forward and backward inside `step`;
@@ -115,6 +131,23 @@ def pipeline_step(
         expert_load=_gather_loads(update.expert_load, pipe, num_experts, device),
         preempted=update.preempted,
     )
+
+
+def _stage_inputs(
+    pipe: Pipeline, batch: torch.Tensor, num_mtp: int
+) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor], torch.Tensor | None]:
+    """What this rank gives `schedule.step`: the first stage's token ids, the last stage's
+    `next_tokens` (MTP) and targets; under context parallelism this rank's part of each."""
+    context = pipe.context
+    if context is None:
+        tokens, extra = inputs_of(batch), {"next_tokens": next_tokens_of(batch)}
+        target = labels_of(batch)
+    else:
+        tokens, extra = model_inputs(batch, None, context, num_mtp)
+        target = torch.stack(split_targets(labels_of(batch), num_mtp, context.split), dim=1)
+    args = (tokens,) if pipe.has_first else ()
+    kwargs = extra if pipe.has_last and num_mtp else {}
+    return args, kwargs, target if pipe.has_last else None
 
 
 def _stuck(exc: RuntimeError, pipe: Pipeline) -> Exception:

@@ -99,7 +99,7 @@ def train_step(
     under document masking (None: off). `context`: this rank's part of each sequence (context
     parallelism; `dp` then spans the cp ranks too, whose target tokens differ)."""
     device = next(model.parameters()).device
-    part = context.split if context is not None else _whole
+    part = context.split if context is not None else whole_sequence
     # Counted on the host, before the copy: no device sync for the divisors of the loss.
     host_labels = [part(labels_of(mb)) for mb in micro_batches]
     host_docs = document_ids(micro_batches, document_eos)
@@ -164,7 +164,7 @@ def train_step(
     )
 
 
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
+def whole_sequence(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 

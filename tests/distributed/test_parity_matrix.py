@@ -185,8 +185,8 @@ def test_combined_layouts_on_four_ranks_match_one_process(setup):
 
 
 # Context parallelism (issue 32): each cp rank trains on two chunks of every sequence; the
-# weights are sharded over dp_shard x cp (ZeRO) or replicated (DDP over dp x cp). Against the
-# same one-process run without MTP (which cp refuses so far).
+# weights are sharded over dp_shard x cp (ZeRO; under HSDP inside each replica) or replicated
+# (DDP over dp x cp). Against the one-process run without MTP (MTP under cp: `CP_MTP` below).
 NO_MTP = ["model.num_mtp_modules=0"]
 # The gathered latents change the order in which attention sums over keys, and a cp rank's
 # gradient adds up its own and the other ranks' queries' contributions: after 8 AdamW steps
@@ -208,6 +208,8 @@ CP_FOUR_RANKS = {
     "cp2_tp2": ["parallel.cp=2", "parallel.tp=2"],
     "cp2_tp2_sp": ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
     "dp2_cp2_ep2": ["parallel.dp_shard=2", "parallel.cp=2", "parallel.ep=2"],
+    # HSDP: the two cp ranks shard the weights, the two replicas all-reduce
+    "hsdp2_cp2_zero3": ["parallel.dp_replicate=2", "parallel.cp=2", "parallel.zero_stage=3"],
 }
 
 

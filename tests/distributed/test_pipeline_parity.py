@@ -1,5 +1,5 @@
 """Pipeline parallelism against one process: every schedule at pp2, gpipe and 1f1b at pp4, and
-pp2 combined with data (DDP, ZeRO-1, ZeRO-2), tensor (with sequence parallel) and expert
+pp2 combined with data (DDP, ZeRO-1, ZeRO-2), tensor (with sequence parallel), expert and context
 parallelism.
 
 Same run as the parity matrix (debug flavor with MLA, MoE and MTP, 8 steps, global batch 16 of
@@ -16,7 +16,13 @@ import pytest
 from dstrain.config.load import load_config
 from dstrain.train.trainer import Trainer
 from tests.distributed.harness import run_ranks
-from tests.distributed.test_parity_matrix import _check, _losses, setup  # noqa: F401 (fixture)
+from tests.distributed.test_parity_matrix import (  # noqa: F401 (setup: a fixture)
+    CP_WEIGHT_ATOL,
+    LOSS_RTOL,
+    _check,
+    _losses,
+    setup,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -171,3 +177,26 @@ def test_dualpipev_overlap_at_pp4_with_ep_matches_sequential(setup):  # noqa: F8
     spec = {"common": eight, "layouts": EIGHT_RANKS}
     ranks = run_ranks(8, "train_layouts", root / "pp4ep", json.dumps(spec), timeout=1200)
     _check_overlap(root, ranks, "pp4_dp2_ep2_dualpipev", with_collectives=True)
+
+
+# Context parallelism under the pipeline (issue 32): every stage runs on the rank's two chunks of
+# each sequence; the last stage gets MTP's per-depth tokens and targets split the same way. The
+# weight tolerance is the parity matrix's for cp (the gathered latents sum in another order).
+CP_FOUR_RANKS = {
+    "pp2_cp2_1f1b": ["parallel.pp=2", "parallel.cp=2", "parallel.pp_schedule=1f1b"],
+    "pp2_cp2_dualpipev": [*DUALPIPEV, "parallel.cp=2", "parallel.pp_overlap=true"],
+    "pp2_cp2_dualpipev_sequential": [*DUALPIPEV, "parallel.cp=2", "parallel.pp_overlap=false"],
+}
+
+
+def test_pipeline_with_context_parallel_matches_one_process(setup):  # noqa: F811
+    root, common, reference = setup
+    spec = {"common": common, "layouts": CP_FOUR_RANKS}
+    ranks = run_ranks(4, "train_layouts", root / "pp_cp", json.dumps(spec), timeout=900)
+    for name in CP_FOUR_RANKS:
+        _check(root, name, reference, weights_dir=root / "pp_cp", weight_atol=CP_WEIGHT_ATOL)
+        assert _losses(root, name, "loss/mtp") == pytest.approx(
+            _losses(root, "reference", "loss/mtp"), rel=LOSS_RTOL
+        ), name
+    # the cp gathers are collectives: the overlapped pairs hand over at their waits
+    _check_overlap(root, ranks, "pp2_cp2_dualpipev", with_collectives=True)

@@ -111,6 +111,17 @@ def test_a_step_runs_under_fake_tensors_with_context_parallelism():
     assert cp.activation_peak_bytes < 0.75 * dp.activation_peak_bytes
 
 
+def test_pipeline_stages_run_under_fake_tensors_with_context_parallelism():
+    """pp2 x cp2 under DualPipeV: rank 0 holds the first stage (the tokens' part) and the last
+    (MTP's split depths and every depth's targets), and its activations fall below pp2 x dp2's."""
+    sets = ("train.precision=bf16", "parallel.pp=2", "parallel.pp_schedule=dualpipev")
+    dp = dry_run_rank(_config(None, *sets, "parallel.dp_shard=2"), 4, 0, step=True)
+    cp = dry_run_rank(_config(None, *sets, "parallel.cp=2"), 4, 0, step=True)
+    assert cp.step.startswith("ran") and "stages 0, 3" in cp.step, cp.step
+    assert cp.loss_peak_bytes < 0.75 * dp.loss_peak_bytes
+    assert cp.activation_peak_bytes < 0.75 * dp.activation_peak_bytes
+
+
 def test_routed_experts_split_over_tp_on_the_fake_backend_save_less():
     # 8 ranks: dp4 x tp2 with the experts over ep4 (two dp x tp pairs): the token split's DTensor
     # redistributions run on fake tensors at full world size, and the step's activation peak
@@ -191,15 +202,15 @@ def _grid():
         yield pytest.param(world, sets, id=f"w{world}-tp{tp}-pp{pp}-ep{ep}-z{zero}-{schedule}")
 
 
-# Context parallelism: what the trainer runs with it (dp_shard, tp, ep) and what it refuses
-# (pp), at 8 ranks. (HSDP is not here: the planner's layouts have no dp_replicate, so it prices
-# such a run as dp_shard, which the trainer runs with cp; `check` refuses cp with dp_replicate.)
+# Context parallelism with what the trainer runs it (dp_shard, tp, ep, pp under 1F1B and
+# DualPipeV), at 8 ranks. (HSDP is not here: the planner's layouts have no dp_replicate.)
 CP_GRID = [
     ["parallel.cp=2"],
     ["parallel.cp=2", "parallel.tp=2"],
     ["parallel.cp=2", "parallel.ep=2", "parallel.zero_stage=3"],
     ["parallel.cp=2", "parallel.tp=2", "parallel.ep=4"],
     ["parallel.cp=2", "parallel.pp=2"],
+    ["parallel.cp=2", "parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.ep=2"],
 ]
 CP_COMMON = ["parallel.dp_shard=-1", "train.micro_batch_size=2", "train.global_batch_size=16"]
 

@@ -303,14 +303,14 @@ def test_tp_across_nodes_warns():
     )
 
 
-def test_context_parallel_runs_with_dp_shard_and_refuses_the_rest_with_reasons():
+def test_context_parallel_composes_and_refuses_what_it_cannot_run_with_reasons():
     no_mtp = "model.num_mtp_modules=0"
     assert errors("parallel.cp=2", no_mtp, world=2) == {}
     assert errors("parallel.cp=2", "parallel.dp_shard=2", no_mtp, world=4) == {}
     assert errors("parallel.cp=2", "parallel.tp=2", "parallel.ep=2", world=4) == {}
-    for axis in ("parallel.pp=2", "parallel.dp_replicate=2"):
-        bad = errors("parallel.cp=2", axis, no_mtp, world=4)
-        assert "not yet with pp or dp_replicate" in bad["parallel.cp"], (axis, bad)
+    assert errors("parallel.cp=2", "parallel.pp=2", "model.num_layers=4", world=4) == {}
+    hsdp = ("parallel.dp_replicate=2", "parallel.zero_stage=3")
+    assert errors("parallel.cp=2", *hsdp, world=4) == {}
     assert errors("parallel.cp=2", world=2) == {}  # with MTP (the debug flavor's)
     odd = errors("parallel.cp=2", no_mtp, "train.seq_len=126", world=2)
     assert "2 x cp = 4 equal chunks" in odd["train.seq_len"]
