@@ -40,6 +40,8 @@ class SequenceShard(Protocol):
 
     def causal_mask(self, local_len: int, device: torch.device | str = "cpu") -> torch.Tensor: ...
 
+    def chunk_mask(self, length: int, end: int, device: torch.device) -> torch.Tensor: ...
+
     def query_chunks(self, local_len: int) -> list[tuple[slice, int]]: ...
 
 
@@ -141,23 +143,23 @@ def _attention(
         q = q_BLHK[:, rows]
         end = start + q.size(1)
         outputs.append(
-            _causal_attention(q, k_BSHK[:, :end], v_BSHV[:, :end], scale, _bottom_right(q, end))
+            _causal_attention(
+                q, k_BSHK[:, :end], v_BSHV[:, :end], scale, _bottom_right(q, end, context)
+            )
         )
     return torch.cat(outputs, dim=1)
 
 
-def _bottom_right(q_BLHK: torch.Tensor, end: int) -> torch.Tensor:
+def _bottom_right(q_BLHK: torch.Tensor, end: int, context: SequenceShard) -> torch.Tensor:
     """The causal mask of queries at positions end - L .. end - 1 against keys 0 .. end - 1.
     On CUDA torch's bias (`causal_lower_right`), which the fused kernels apply without an
-    [L, end] mask in memory; elsewhere that mask (a CPU run would materialise it anyway, and
-    the bias cannot be made under fake tensors: the dry run)."""
+    [L, end] mask in memory; elsewhere that mask, one per chunk that every layer and
+    micro-batch shares (`ContextShard.chunk_mask`; the bias cannot be made under fake tensors:
+    the dry run)."""
     length = q_BLHK.size(1)
     if q_BLHK.is_cuda:
         return causal_lower_right(length, end)
-    keys = torch.arange(end, device=q_BLHK.device)
-    return (keys[None, :] <= torch.arange(end - length, end, device=q_BLHK.device)[:, None])[
-        None, None
-    ]
+    return context.chunk_mask(length, end, q_BLHK.device)
 
 
 def _causal_attention(

@@ -20,7 +20,7 @@ efficient, cuDNN); MLA's latent never reaches SDPA, the ring has no hook to send
 the CPU's SDPA kernels are not among those it patches. The load-balanced order is torch's.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,10 @@ class ContextShard:
     group: dist.ProcessGroup | None
     size: int
     rank: int
+    # (length, end, device) -> chunk_mask's mask, built once: it depends on positions only
+    masks: dict[tuple[int, int, str], torch.Tensor] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def positions(self, local_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """The global positions [L] of this rank's `local_len` tokens (its two chunks)."""
@@ -75,6 +79,18 @@ class ContextShard:
         q = self.positions(local_len, device)
         k = torch.arange(local_len * self.size, device=device)
         return (q[:, None] >= k[None, :])[None, None]
+
+    def chunk_mask(self, length: int, end: int, device: torch.device | str) -> torch.Tensor:
+        """[1, 1, length, end] bool: a chunk's queries, at positions end - length .. end - 1,
+        against the keys 0 .. end - 1, causal (bottom-right). Built once per chunk and device:
+        every layer and micro-batch attends with the same one, as the positions never change
+        (where no fused kernel applies the bias itself: `model/attention._bottom_right`)."""
+        key = (length, end, str(device))
+        if key not in self.masks:
+            keys = torch.arange(end, device=device)
+            queries = torch.arange(end - length, end, device=device)
+            self.masks[key] = (keys[None, :] <= queries[:, None])[None, None]
+        return self.masks[key]
 
     def query_chunks(self, local_len: int) -> list[tuple[slice, int]]:
         """This rank's two chunks: (their rows of the local tokens, their first position)."""

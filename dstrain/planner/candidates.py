@@ -6,8 +6,9 @@ Degrees: tp within a node (a power of two up to the node size: tensor parallelis
 is never worth its per-layer all-reduces), pp a power of two up to the layer count, dp what is
 left, ep a power of two dividing the routed experts and dp x tp. Knobs: ZeRO 0-3, micro-batch
 1-8, every schedule (interleaved with 2 virtual stages), recompute none/selective/full; sequence
-parallelism whenever tp > 1 (it only saves memory at the same communication volume); cp 1 (the
-trainer runs no context parallelism yet); no offload unless asked.
+parallelism whenever tp > 1 (it only saves memory at the same communication volume); cp as
+given (`plan --cp`, 1 by default: splitting sequences is the answer to a sequence too long for
+one rank, which the user knows, not a speed knob); no offload unless asked.
 """
 
 from collections.abc import Iterator

@@ -333,6 +333,9 @@ def _activation_bytes(args: ModelArgs, layout: Layout, shape: RankShape, floor: 
         _layer_bytes(args, layout, layout.recompute, moe, floor=floor) for moe in (False, True)
     )
     per_microbatch = tokens * (shape.dense_layers * dense_layer + shape.moe_layers * moe_layer)
+    gathered = _gathered_kv_bytes(args, layout)
+    if layout.recompute == "none":  # every layer keeps the whole sequence's keys and values
+        per_microbatch += (shape.dense_layers + shape.moe_layers) * gathered
     if shape.has_embedding:
         per_microbatch += tokens * 2 * args.dim / _sp(layout)
     resident = per_microbatch * in_flight(layout, floor=floor)
@@ -345,7 +348,27 @@ def _activation_bytes(args: ModelArgs, layout: Layout, shape: RankShape, floor: 
         whole = 0 if floor else _scores_per_token(layout)
         moes = (False, shape.moe_layers > 0)
         recomputed = tokens * max(_layer_bytes(args, layout, "none", m, scores=whole) for m in moes)
+        recomputed += 2 * gathered  # the recomputed keys and values, then their gradients
     return resident + max(loss, recomputed)
+
+
+def _gathered_kv_bytes(args: ModelArgs, layout: Layout) -> float:
+    """Under dstrain's context parallelism (`cp_gather`), what one layer's attention holds for
+    the other cp ranks' tokens: every rank up-projects the whole sequence's keys and values from
+    the gathered latent (MLA: the up-projection's output, K, and V padded to K's width for the
+    fused kernels; MHA/GQA: the gathered K and V). 0 without cp, or for a ring (other engines
+    pass blocks of K/V, counted in their comm, not held)."""
+    if layout.cp == 1 or not layout.traits.cp_gather:
+        return 0.0
+    others = layout.micro_batch * layout.seq_len * (1 - 1 / layout.cp)
+    heads = args.num_heads / layout.tp
+    if args.attention == "mla":
+        qk = args.qk_nope_head_dim + args.qk_rope_head_dim
+        per_head = args.qk_nope_head_dim + args.v_head_dim + 2 * qk
+    else:
+        head_dim, _ = score_head_dims(args)
+        per_head = 2 * head_dim * args.kv_heads / args.num_heads
+    return others * 2 * heads * per_head
 
 
 def in_flight(layout: Layout, *, floor: bool = False) -> float:

@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
 from dstrain.config.schema import DstrainConfig
+from dstrain.model.attention import MHA, MLA
 from dstrain.model.hf_adapter import to_hf
 from dstrain.model.hf_files import Headers
 from dstrain.model.hf_load import HFCheckpoint, expert_biases, load_parameters
@@ -261,10 +262,29 @@ def _step(
     with fake:
         for module in (runtime.model, *stages):  # the stages hold the shared RoPE tables too
             module.to_empty(device="cpu")
+    with fake:
+        _chunk_masks(config, (runtime.model, *stages))
     with _balanced_dispatch(runtime.model):
         if runtime.pipeline is None:
             return _whole_model_step(config, runtime, fake)
         return _pipeline_step(config, runtime, fake)
+
+
+def _chunk_masks(config: DstrainConfig, modules: tuple[torch.nn.Module, ...]) -> None:
+    """Under context parallelism, build the chunks' causal masks before the memory is tracked:
+    on the CPU attention takes one [L, end] mask per chunk, which a GPU does not hold (its fused
+    kernels apply the bottom-right bias themselves), and the dry run reports a GPU rank."""
+    shards = {
+        id(m.context): m.context
+        for root in modules
+        for m in root.modules()
+        if isinstance(m, MLA | MHA) and m.context is not None
+    }  # one per pipeline stage: each was parallelized on its own
+    for shard in shards.values():
+        local = config.train.seq_len // shard.size
+        for rows, start in shard.query_chunks(local):
+            length = rows.stop - rows.start
+            shard.chunk_mask(length, start + length, "cpu")
 
 
 def _grouped_mm_needs_bf16(config: DstrainConfig, runtime: Runtime) -> str | None:

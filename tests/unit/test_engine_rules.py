@@ -144,13 +144,18 @@ def test_kv_heads_that_divide_tp_run_in_megatron_not_in_dstrain(tmp_path):
 
 
 def test_check_for_dstrain_exits_3_on_what_only_dstrain_cannot_run(cli, tmp_path):
-    # context parallelism with PP: Megatron-LM runs it, dstrain's trainer not yet
-    path = _script(tmp_path, "--context-parallel-size 2 --pipeline-model-parallel-size 2")
+    # fewer key/value heads than tp ranks: Megatron-LM replicates them, dstrain's trainer not
+    path = _script(
+        tmp_path, "--tensor-model-parallel-size 8 --group-query-attention --num-query-groups 4"
+    )
     assert cli("check", path).code == 0
     result = cli("check", path, "--for", "dstrain", "--json")
     assert result.code == 3
-    cp = next(f for f in result.json() if f["severity"] == "unsupported")
-    assert cp["message"].startswith("runs under Megatron-LM; dstrain cannot yet")
+    found = next(f for f in result.json() if f["severity"] == "unsupported")
+    assert found["message"].startswith("runs under Megatron-LM; dstrain cannot yet"), found
+    # context parallelism with PP: both run it
+    both = _script(tmp_path, "--context-parallel-size 2 --pipeline-model-parallel-size 2")
+    assert cli("check", both, "--for", "dstrain").code == 0
 
 
 @pytest.mark.parametrize(
