@@ -58,6 +58,33 @@ def test_deepseek_v3_at_2048_ranks_matches_the_planner(rank):
     assert report.seconds["total"] < 120
 
 
+V3_128K = REPO / "examples" / "deepseek-v3-128k-h800x2048.toml"
+
+
+def test_deepseek_v3_at_128k_with_context_parallelism_matches_the_planner():
+    """V3's 128K stage: pp16 x cp8 x dp16 on 2048 ranks. Rank 2047 (pp 15, cp 7) holds 16K
+    tokens of each sequence; its model states are the 4K layout's (cp shards with dp), and the
+    planner's activation estimate, which counts the whole sequence's keys and values that the
+    latent gather up-projects, is within 15% of the step the dry run measures (156 against
+    174 GiB; 120 GiB before it counted them)."""
+    from dstrain.planner.memory import activation_bytes
+
+    config = _config(V3_128K)
+    assert not [f for f in preflight(load_config(V3_128K), 2048) if f.severity == "error"]
+    report = dry_run_rank(config, 2048, 2047, step=True)
+    assert report.coords["pp"] == 15 and report.coords["cp"] == 7 and report.groups["cp"] == 8
+    assert report.groups["ep"] == 64 and report.step.startswith("ran"), report.step
+    planned = _planned_states(config, 2048, 15)
+    assert abs(report.model_states_bytes / planned - 1) < 0.05, (report.model_states_bytes, planned)
+    args, layout = resolve_model_args(config.model), layout_from_config(config, 2048)
+    shape = next(s for s in rank_shapes(args, layout) if s.rank == 15)
+    estimate = activation_bytes(args, layout, shape)
+    assert abs(estimate / report.activation_peak_bytes - 1) < 0.15, (
+        estimate / GiB,
+        report.activation_peak_bytes / GiB,
+    )
+
+
 LONG = ["train.seq_len=1024", "model.max_seq_len=1024"]
 SMALL = {  # world 8 unless a layout says otherwise; the debug model in bf16
     "ddp": ["parallel.dp_shard=8", "parallel.zero_stage=0"],
