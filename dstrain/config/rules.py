@@ -549,10 +549,8 @@ def rule_data(t: CheckTarget) -> Iterable[Finding]:
 
 
 def rule_context_parallel(t: CheckTarget) -> Iterable[Finding]:
-    """Context parallelism: the sequence splits into 2 x cp equal chunks, and what reads a whole
-    sequence at once (the sequence-wise balance loss) is refused until it is built across the
-    chunks."""
-    c, m = t.config, t.model
+    """Context parallelism: the sequence splits into 2 x cp equal chunks."""
+    c = t.config
     cp = c.parallel.cp
     if cp == 1:
         return
@@ -563,13 +561,6 @@ def rule_context_parallel(t: CheckTarget) -> Iterable[Finding]:
             f"seq_len {c.train.seq_len} does not split into 2 x cp = {2 * cp} equal chunks "
             "(each cp rank holds two: one early, one late, for equal causal work)",
             f"set train.seq_len to a multiple of {2 * cp}, e.g. {fits or 2 * cp}",
-        )
-    if m is not None and m.aux_loss_alpha > 0 and m.num_routed_experts:
-        yield trainer_limit(
-            "model.aux_loss_alpha",
-            f"the sequence-wise balance loss with context parallelism (cp = {cp}): its "
-            "statistics need every token of a sequence, which the cp ranks split",
-            "set model.aux_loss_alpha = 0 (the balancing bias still balances), or parallel.cp = 1",
         )
     if c.train.compile:
         yield trainer_limit(

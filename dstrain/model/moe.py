@@ -254,6 +254,9 @@ class MoE(nn.Module):
     # runs positions that one process does not have (past the sequence's end for its depth):
     # their choices must not move the balancing bias.
     counted_rows: torch.Tensor | None = None
+    # Context parallelism (`parallel/context_parallel.py`): this rank holds part of every
+    # sequence; the balance loss's statistics are summed over the cp group.
+    context = None
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -292,10 +295,14 @@ class MoE(nn.Module):
         if self.aux_loss_alpha > 0 and self.training and torch.is_grad_enabled():
             # Without seq_aux the micro-batch is one sequence of B*S tokens (V2's batch form).
             rows = B if self.seq_aux else 1
-            aux = self._balance_loss(
-                scores_TE.view(rows, -1, scores_TE.size(-1)), experts_TK.view(rows, -1, self.top_k)
-            )
-            self.last_aux_loss.copy_(aux.detach())
+            scores_BSE = scores_TE.view(rows, -1, scores_TE.size(-1))
+            experts_BSK = experts_TK.view(rows, -1, self.top_k)
+            if self.context is None:
+                aux = value = self._balance_loss(scores_BSE, experts_BSK)
+            else:
+                kept = None if self.counted_rows is None else self.counted_rows.view(rows, -1)
+                aux, value = self._split_balance_loss(scores_BSE, experts_BSK, kept)
+            self.last_aux_loss.copy_(value.detach())
             out = AddAuxiliaryLoss.apply(out, aux * self.aux_loss_scale)
         return out
 
@@ -330,3 +337,30 @@ class MoE(nn.Module):
         f_BE = hits_BE * E / (self.top_k * S)
         p_BE = normalized.mean(1)
         return self.aux_loss_alpha * (f_BE * p_BE).sum(-1).mean()
+
+    def _split_balance_loss(
+        self, scores_BLE: torch.Tensor, experts_BLK: torch.Tensor, kept_BL: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same loss when each sequence is split over the cp ranks (this one holds L of its
+        tokens): the expert hits, the summed affinities and the token count of every sequence
+        are summed over the group (one all-reduce of [B, 2E + 1], no gradient), then this rank's
+        term is f_e (the whole sequence's) times its own tokens' affinities over the whole
+        length. The terms of the cp ranks add up to one process's loss, and so do their
+        gradients (the trainer scales the balance loss's backward by cp, as FSDP averages what
+        here must add up). `kept_BL`: the positions that count (MTP's padded ones do not).
+        Returns (this rank's term, the whole loss for the metrics)."""
+        B, L, E = scores_BLE.shape
+        device = scores_BLE.device
+        kept = torch.ones(B, L, device=device) if kept_BL is None else kept_BL.to(torch.float32)
+        normalized = scores_BLE / scores_BLE.sum(-1, keepdim=True)
+        hits_BE = torch.zeros(B, E, device=device).scatter_add_(
+            1, experts_BLK.flatten(1), kept.repeat_interleave(self.top_k, dim=1)
+        )
+        affinity_BE = (normalized * kept[..., None]).sum(1)
+        local = torch.cat([hits_BE, affinity_BE.detach(), kept.sum(1, keepdim=True)], dim=-1)
+        whole = self.context.sum(local)
+        hits_BE, all_affinity_BE, tokens_B1 = whole.split([E, E, 1], dim=-1)
+        f_BE = hits_BE * E / (self.top_k * tokens_B1)
+        term = self.aux_loss_alpha * (f_BE * affinity_BE / tokens_B1).sum(-1).mean()
+        value = self.aux_loss_alpha * (f_BE * all_affinity_BE / tokens_B1).sum(-1).mean()
+        return term, value

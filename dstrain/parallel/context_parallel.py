@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from dstrain.model.attention import MHA, MLA
+from dstrain.model.moe import MoE
 from dstrain.model.transformer import Transformer
 from dstrain.parallel.mesh import Meshes
 
@@ -71,6 +72,12 @@ class ContextShard:
         gathered = _GatherSequence.apply(x, dim, self.group)
         order = self.all_positions(local_len, x.device).argsort()
         return gathered.index_select(dim, order)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` summed over the cp ranks (statistics: no gradient flows back through it)."""
+        if self.size == 1:
+            return x
+        return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", self.group))
 
     def causal_mask(self, local_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """[1, 1, L, L x size] bool: this rank's queries against the whole sequence's keys
@@ -141,7 +148,8 @@ def context_shard(meshes: Meshes | None) -> ContextShard | None:
 
 def apply_context_parallel(model: torch.nn.Module, shard: ContextShard) -> None:
     """Make `model` (a Transformer, or a pipeline stage's chunk of one) run on this rank's part
-    of each sequence: its RoPE positions and every attention module's gather and mask."""
+    of each sequence: its RoPE positions, every attention module's gather and mask, and every
+    MoE's balance-loss statistics."""
     for module in model.modules():
-        if isinstance(module, Transformer | MLA | MHA):
+        if isinstance(module, Transformer | MLA | MHA | MoE):
             module.context = shard

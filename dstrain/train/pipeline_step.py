@@ -73,7 +73,7 @@ def pipeline_step(
     if context is not None:
         targets = [split_targets(labels_of(mb), num_mtp, part) for mb in micro_batches]
     counts = global_counts(labels, num_mtp, dp, device, targets=targets)
-    scale = backward_scale(scaler, dp.size, len(micro_batches))
+    scale = backward_scale(scaler, dp.size, len(micro_batches), context.size if context else 1)
     set_aux_scale(pipe.model, scale.aux)
 
     def loss_fn(outputs: object, target: torch.Tensor) -> tuple[torch.Tensor, dict]:

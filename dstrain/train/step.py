@@ -114,7 +114,7 @@ def train_step(
     micro_batches = [to_device(mb, device) for mb in micro_batches]
     labels = [part(labels_of(mb)) for mb in micro_batches]
     docs = None if host_docs is None else [to_device(d, device) for d in host_docs]
-    scale = backward_scale(scaler, dp.size, len(micro_batches))
+    scale = backward_scale(scaler, dp.size, len(micro_batches), context.size if context else 1)
     set_aux_scale(model, scale.aux)
     loss = torch.zeros((), device=device)
     mtp_loss = torch.zeros((), device=device) if num_mtp else None
@@ -192,16 +192,21 @@ class BackwardScale:
     after: float  # what the unscale multiplies the reduced gradients by, besides 1 / scale
 
 
-def backward_scale(scaler: LossScaler, dp_size: int, micro_batches: int) -> BackwardScale:
+def backward_scale(
+    scaler: LossScaler, dp_size: int, micro_batches: int, cp: int = 1
+) -> BackwardScale:
     """DDP/FSDP average gradients over dp, and the global-mean loss needs their sum: the backward
     loss is multiplied by dp. The balance loss enters backward on its own, loss-scaled like the
     main loss, averaged over micro-batches and (unlike the main loss) over dp. Under fp16 the x dp
     would make every activation gradient dp times one process's, and so overflow where one
-    process does not: there the dp factor waits until after the reduction (the unscale)."""
+    process does not: there the dp factor waits until after the reduction (the unscale).
+    `cp`: context-parallel ranks, counted in `dp_size` (dp x cp ranks reduce gradients), whose
+    balance-loss terms are parts of one sequence's loss: they must add up, not average, so its
+    backward is multiplied by cp."""
     m = scaler.loss_multiplier()
     if scaler.enabled:
-        return BackwardScale(m, m / (micro_batches * dp_size), float(dp_size))
-    return BackwardScale(m * dp_size, m / micro_batches, 1.0)
+        return BackwardScale(m, m * cp / (micro_batches * dp_size), float(dp_size))
+    return BackwardScale(m * dp_size, m * cp / micro_batches, 1.0)
 
 
 def own_mean(

@@ -240,6 +240,26 @@ CP_MTP = {
 }
 
 
+# The balance loss under context parallelism (V3's sequence-wise form, with MTP, whose padded
+# positions it leaves out): its statistics summed over the cp group, its backward scaled by cp.
+AUX = ["model.aux_loss_alpha=0.01"]
+CP_AUX = {
+    "cp2_aux_zero1": ["parallel.cp=2", "parallel.zero_stage=1"],
+    "cp2_aux_ddp": ["parallel.cp=2", "parallel.zero_stage=0"],
+}
+
+
+def test_context_parallel_with_the_balance_loss_matches_one_process(setup):
+    root, common, _ = setup
+    reference = Trainer(load_config(None, [*common, *AUX, "run.name=reference_aux"]).config)
+    reference.train()
+    weights = reference.model.state_dict()
+    spec = {"common": [*common, *AUX], "layouts": CP_AUX}
+    run_ranks(2, "train_layouts", root / "cp_aux", json.dumps(spec), timeout=600)
+    for name in CP_AUX:
+        _check(root, name, weights, root / "cp_aux", "reference_aux", CP_WEIGHT_ATOL)
+
+
 def test_context_parallel_with_mtp_matches_one_process(setup):
     root, common, reference = setup
     spec = {"common": common, "layouts": CP_MTP}

@@ -415,17 +415,17 @@ def test_a_dense_model_is_evaluated_without_an_expert_degree():
 
 
 def test_a_search_only_other_engines_can_satisfy_shows_the_closest_layout():
-    # context parallelism with the sequence-wise balance loss (V2-Lite's 0.001) is a limit of
-    # dstrain's trainer, not of the layout: a search with cp fixed (as a published run is asked
-    # about) shows the fastest such layout, not an error
+    # ZeRO-3 with pipeline parallelism is a limit of dstrain's trainer, not of the layout: a
+    # search with both fixed (as a published run is asked about) shows the fastest such layout,
+    # not an error
     result = run_cli(
-        "plan", "--model", "deepseek-v2-lite", "--gpu", "H100", "--num-gpus", "16",
-        "--cp", "2", "--json",
+        "plan", "--model", "deepseek-llm-7b", "--gpu", "H100", "--num-gpus", "16",
+        "--pp", "2", "--zero", "3", "--json",
     )  # fmt: skip
     assert result.code == 0, result.text
     answer = result.json()
-    assert answer["closest"] and answer["ranked"] == [] and answer["layout"]["cp"] == 2
-    assert not answer["legal"] and "context parallelism" in answer["illegal_reasons"][0]
+    assert answer["closest"] and answer["ranked"] == [] and answer["layout"]["zero"] == 3
+    assert not answer["legal"] and "ZeRO-3 with pipeline" in answer["illegal_reasons"][0]
     assert answer["memory_verdict"] in ("fits", "tight") and answer["tokens_per_s"] > 0
 
 

@@ -19,7 +19,8 @@ BATCH = 2
 
 
 def cases() -> dict[str, dict]:
-    """name -> ModelArgs changes (no MTP: its shifted tokens cross the chunks)."""
+    """name -> ModelArgs changes (no MTP here: the trainer gives it each depth's split tokens,
+    checked in the parity matrix)."""
     common = dict(num_mtp_modules=0)
     return {
         "mla": common,
@@ -27,6 +28,10 @@ def cases() -> dict[str, dict]:
         "mla_yarn": common | dict(rope_factor=4.0, original_seq_len=8, mscale_all_dim=1.0),
         "gqa": common | dict(attention="mha", num_heads=4, num_kv_heads=2, head_dim=8),
         "dense": common | dict(num_routed_experts=0, first_k_dense=3),
+        # the balance loss's statistics summed over the cp ranks: per sequence, and V2's
+        # batch-wise form (its gradients reach the router only through the loss)
+        "moe_aux": common | dict(aux_loss_alpha=0.05),
+        "moe_aux_batch": common | dict(aux_loss_alpha=0.05, seq_aux=False),
     }
 
 
