@@ -562,12 +562,6 @@ def rule_context_parallel(t: CheckTarget) -> Iterable[Finding]:
             "(each cp rank holds two: one early, one late, for equal causal work)",
             f"set train.seq_len to a multiple of {2 * cp}, e.g. {fits or 2 * cp}",
         )
-    if c.train.compile:
-        yield trainer_limit(
-            "train.compile",
-            f"torch.compile with context parallelism (cp = {cp}) is not tested yet",
-            "set train.compile = false, or parallel.cp = 1",
-        )
 
 
 def rule_cluster(t: CheckTarget) -> Iterable[Finding]:

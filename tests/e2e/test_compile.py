@@ -58,3 +58,23 @@ def test_compiled_expert_parallel_zero1_matches_eager(setup):  # noqa: F811
     worst = max(abs(a - b) / a for a, b in zip(eager, compiled, strict=True))
     print(f"compile dp2 x ep2 ZeRO-1: max loss rel diff to eager {worst:.1e}")
     assert worst <= RTOL["fp32"], worst
+
+
+def test_compiled_context_parallel_matches_eager(setup):  # noqa: F811
+    """cp2 with MTP: the blocks compile around the latent's gather (a functional collective
+    inside an autograd function) and the chunked attention."""
+    root, common, _ = setup
+    common = [*_without_eval(common), f"train.steps={STEPS}"]
+    layout = ["parallel.cp=2", "parallel.zero_stage=1"]
+    layouts = {"cp_eager": layout, "cp_compiled": [*layout, "train.compile=true"]}
+    run_ranks(
+        2,
+        "train_layouts",
+        root / "compile_cp",
+        json.dumps({"common": common, "layouts": layouts}),
+        timeout=900,
+    )
+    eager, compiled = _losses(root, "cp_eager"), _losses(root, "cp_compiled")
+    worst = max(abs(a - b) / a for a, b in zip(eager, compiled, strict=True))
+    print(f"compile cp2 ZeRO-1: max loss rel diff to eager {worst:.1e}")
+    assert worst <= RTOL["fp32"], worst
