@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.utils._python_dispatch import TorchDispatchMode
 
 DEVICE = torch.device("meta")
@@ -29,6 +30,9 @@ COLLECTIVES = (
     "all_to_all_single",
     "reduce",
 )
+# torch's functional collectives (context parallelism's gather, its gradient's reduce-scatter,
+# the balance loss's sums), recorded as "funcol.<name>"
+FUNCTIONAL = ("all_gather_single", "reduce_scatter_single", "all_reduce")
 
 
 class _Scalars(TorchDispatchMode):
@@ -100,6 +104,7 @@ def device_check(
     collective's tensor devices. Put the model and its inputs on `DEVICE`."""
     recorded = Recorded()
     originals = {name: getattr(dist, name) for name in COLLECTIVES}
+    functional = {name: getattr(funcol, name) for name in FUNCTIONAL}
 
     def recording(name: str, original):
         @functools.wraps(original)
@@ -114,6 +119,8 @@ def device_check(
     dist.init_process_group("fake", rank=rank, world_size=world_size)
     for name, original in originals.items():
         setattr(dist, name, recording(name, original))
+    for name, original in functional.items():
+        setattr(funcol, name, recording(f"funcol.{name}", original))
     tolist = torch.Tensor.tolist
     torch.Tensor.tolist = _tolist(tolist, recorded, answer)
     try:
@@ -123,4 +130,6 @@ def device_check(
         torch.Tensor.tolist = tolist
         for name, original in originals.items():
             setattr(dist, name, original)
+        for name, original in functional.items():
+            setattr(funcol, name, original)
         dist.destroy_process_group()

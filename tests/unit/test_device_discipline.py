@@ -16,6 +16,7 @@ from dstrain.metrics.pipeline_timer import PipelineTimer
 from dstrain.metrics.probes import Probes
 from dstrain.metrics.processor import MetricsProcessor, StepFigures, Throughput, Window
 from dstrain.model.transformer import build_model
+from dstrain.parallel.context_parallel import ContextShard, apply_context_parallel
 from dstrain.parallel.pipeline import TiedEmbedding
 from dstrain.train.agreement import agree
 from dstrain.train.loss_scale import LossScaler
@@ -49,6 +50,35 @@ def test_the_training_step_keeps_collectives_on_the_device(fp16):
             dp=DataParallel(dist.group.WORLD, 2),
         )
     assert len(recorded.calls) >= 4  # counts, loss, mtp loss, expert loads (+ overflow)
+    assert recorded.off_device() == []
+
+
+def test_context_parallel_keeps_its_collectives_on_the_device():
+    """cp2 with MTP and the balance loss: the latent's gather and its gradient's reduce-scatter,
+    the balance loss's sums, and everything the split builds (positions, chunk masks, MTP's
+    split depths and targets, the padded rows' mask) on the run's device."""
+    with device_check() as recorded:
+        model = _on_device(build_model(tiny_args(aux_loss_alpha=0.01), device=None))
+        shard = ContextShard(dist.group.WORLD, 2, 0)
+        apply_context_parallel(model, shard)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        batches = [torch.randint(0, 64, (2, 9), device=DEVICE) for _ in range(2)]
+        train_step(
+            model,
+            optimizer,
+            batches,
+            scaler=LossScaler(LossScaleConfig(), enabled=False),
+            precision="fp32",
+            grad_clip=1.0,
+            mtp_weight=0.3,
+            num_mtp=1,
+            bias_update_speed=1e-3,
+            dp=DataParallel(dist.group.WORLD, 2),
+            context=shard,
+        )
+    names = {name for name, _ in recorded.calls}
+    expected = {"funcol.all_gather_single", "funcol.reduce_scatter_single", "funcol.all_reduce"}
+    assert expected <= names, names
     assert recorded.off_device() == []
 
 
