@@ -9,12 +9,14 @@ CPU-only machine cannot, in one summary table headed by torch, its CUDA, the GPU
    routed experts' `fp8_grouped_matmul`, forward and backward, whose wgrad hands the kernel
    transposed operands) against the exact emulation; bf16 `grouped_mm` (the experts' kernel)
    against a per-expert loop in fp32; FlexAttention's BlockMask against SDPA with the boolean
-   mask. Then the FP8 GEMM's speed against bf16 and a short `train.precision=fp8` run on it.
+   mask; context parallelism's chunked attention with torch's bottom-right causal bias (fused
+   kernels) against the same chunks under the explicit mask. Then the FP8 GEMM's speed against
+   bf16 and a short `train.precision=fp8` run on it.
 4. Two or more GPUs: `dstrain bench comm` (NCCL bus bandwidth), then NCCL runs of the layouts the
-   GPU count fits (dp2 ZeRO-1, dp2 ZeRO-2, tp2, dp2 x ep2, pp2 1F1B; 4 GPUs add pp2 x dp2 x ep2
-   DualPipeV ZeRO-1), each checked with `dstrain loss-compare` against one GPU, in fp32 with TF32
-   off (bitwise-comparable numerics), and one bf16 dp2 x ep2 run; the CUDA-event comm spans
-   (`comm/*`) and GPU memory keys in their metrics.jsonl.
+   GPU count fits (dp2 ZeRO-1, dp2 ZeRO-2, tp2, dp2 x ep2, pp2 1F1B, cp2 ZeRO-1; 4 GPUs add
+   pp2 x dp2 x ep2 DualPipeV ZeRO-1), each checked with `dstrain loss-compare` against one GPU,
+   in fp32 with TF32 off (bitwise-comparable numerics), and one bf16 dp2 x ep2 run; the
+   CUDA-event comm spans (`comm/*`) and GPU memory keys in their metrics.jsonl.
 
 A kernel row says "ok" only where its kernel ran and agreed with its reference. Where the kernel
 cannot run (a CPU, another GPU, a torch built with too old a CUDA) the row says "skip" and why:
@@ -74,6 +76,9 @@ LAYOUTS_2 = {
     "tp2": ["parallel.tp=2"],
     "dp2_ep2": ["parallel.dp_shard=2", "parallel.ep=2"],
     "pp2_1f1b": ["parallel.pp=2"],
+    # NCCL's all-gather and reduce-scatter of the latent, the bottom-right causal bias (MTP
+    # and the balance loss's cp sums on)
+    "cp2_zero1": ["parallel.cp=2", "parallel.zero_stage=1", "model.aux_loss_alpha=0.001"],
 }
 LAYOUTS_4 = {
     "pp2_dp2_ep2_dualpipev_zero1": [

@@ -23,6 +23,7 @@ FP8_KERNEL, FP8_REFERENCE = "scaled_mm", "emulated"
 FP8 = "cuBLASLt blockwise FP8 scaled_mm"
 GROUPED = "grouped_mm (CUDA)"
 FLEX = "FlexAttention"
+BOTTOM_RIGHT = "SDPA causal_lower_right"
 # Max |kernel - reference| over max |reference|, per output and per expert. The FP8 kernel and
 # the emulation multiply the same E4M3 values; they may differ by the bf16 rounding of an output
 # (y, and dx for bf16 x: at most 2^-7 of an element's own magnitude, one ulp) and the
@@ -297,6 +298,13 @@ def check_kernels(table: "Table", device) -> None:
         flex_reason(device),
         lambda: compare_document_mask(device),
     )
+    kernel_row(
+        table,
+        "cp chunked attention: bottom-right causal bias vs explicit mask",
+        BOTTOM_RIGHT,
+        None if device.type == "cuda" else f"{device.type}: the bias is used on CUDA only",
+        lambda: compare_bottom_right(device),
+    )
     if fp8_reason is None:
         try:
             table.info("fp8 GEMM speed", _fp8_speed(device))
@@ -334,6 +342,44 @@ def compare_document_mask(device) -> tuple[float, str]:
     (a, ga), (b, gb) = run(True), run(False)
     grads = max(rel_gap(x, y) for x, y in zip(ga, gb, strict=True))
     return gaps_detail({"logits": rel_gap(a, b), "grads": grads})
+
+
+def compare_bottom_right(device) -> tuple[float, str]:
+    """Context parallelism's attention of one rank's two chunks (cp 4, rank 1: queries of
+    chunks 1 and 6 against the keys up to each one's end) in bf16 at V3's head dims: on CUDA
+    torch's `causal_lower_right` bias, which the fused kernels apply themselves, against the
+    same chunks under the explicit [L, end] boolean mask (the CPU's path, proven against one
+    process by the CPU tests): outputs and the gradients of q, k and v."""
+    import torch
+
+    from dstrain.model import attention
+    from dstrain.parallel.context_parallel import ContextShard
+
+    shard = ContextShard(None, 4, 1)
+    local, whole, heads, qk, v_dim = 1024, 4096, 16, 192, 128
+    g = torch.Generator().manual_seed(0)
+
+    def tensor(*shape: int) -> torch.Tensor:
+        x = torch.randn(*shape, generator=g).to(device, torch.bfloat16)
+        return x.requires_grad_()
+
+    q = tensor(2, local, heads, qk)
+    k, v = tensor(2, whole, heads, qk), tensor(2, whole, heads, v_dim)
+
+    def run(explicit: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        original = attention._bottom_right
+        if explicit:
+            attention._bottom_right = lambda q, end, c: c.chunk_mask(q.size(1), end, q.device)
+        try:
+            out = attention._attention(q, k, v, qk**-0.5, None, shard)
+            grads = torch.autograd.grad(out.float().square().mean(), (q, k, v))
+        finally:
+            attention._bottom_right = original
+        return out.detach(), list(grads)
+
+    (a, ga), (b, gb) = run(False), run(True)
+    grads = max(rel_gap(x, y) for x, y in zip(ga, gb, strict=True))
+    return gaps_detail({"out": rel_gap(a, b), "grads": grads})
 
 
 def _fp8_speed(device) -> str:

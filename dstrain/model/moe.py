@@ -244,16 +244,18 @@ class AddAuxiliaryLoss(torch.autograd.Function):
 class MoE(nn.Module):
     """`token_share` (set by `parallel/moe_tokens.apply_token_split` under TP): an object with
     `rows(x)` and `gather(part, total_rows)`; the MoE then routes only its tp rank's rows.
-    `counted_rows`: the rows the load counters count (below).
+    `tail_padding` (k in MTP depth k's MoE): under context parallelism the last k positions of
+    every sequence carry no target (below).
     `overlap_shared` (`parallel.ep_overlap`): the shared experts run while the routed experts'
     dispatch all-to-all is in flight (the experts' `meanwhile`), instead of after the combine."""
 
     token_share = None
     overlap_shared = False
-    # Rows of x [T] whose routing the load counters count (None: all). Context parallelism's MTP
-    # runs positions that one process does not have (past the sequence's end for its depth):
-    # their choices must not move the balancing bias.
-    counted_rows: torch.Tensor | None = None
+    # Context parallelism's MTP depth k runs positions that one process does not have (the last
+    # k of each sequence, past its end for that depth): their choices must not move the
+    # balancing bias nor enter the balance loss. Fixed per module, not set around a call: a
+    # checkpointed block's recomputation must see what its forward saw.
+    tail_padding = 0
     # Context parallelism (`parallel/context_parallel.py`): this rank holds part of every
     # sequence; the balance loss's statistics are summed over the cp group.
     context = None
@@ -287,7 +289,8 @@ class MoE(nn.Module):
             routed_TD, scores_TE, experts_TK = (
                 share.gather(t, T) for t in (routed_TD, scores_TE, experts_TK)
             )
-        self.router.count(experts_TK, self.counted_rows)
+        counted = self._counted_rows(B, S, x_BSD.device)
+        self.router.count(experts_TK, counted)
         out_TD = routed_TD
         if self.shared_experts is not None:
             out_TD = out_TD + (shared[0] if shared else self.shared_experts(x_TD))
@@ -300,11 +303,20 @@ class MoE(nn.Module):
             if self.context is None:
                 aux = value = self._balance_loss(scores_BSE, experts_BSK)
             else:
-                kept = None if self.counted_rows is None else self.counted_rows.view(rows, -1)
+                kept = None if counted is None else counted.view(rows, -1)
                 aux, value = self._split_balance_loss(scores_BSE, experts_BSK, kept)
             self.last_aux_loss.copy_(value.detach())
             out = AddAuxiliaryLoss.apply(out, aux * self.aux_loss_scale)
         return out
+
+    def _counted_rows(self, B: int, L: int, device: torch.device) -> torch.Tensor | None:
+        """[B x L] bool: the rows whose routing counts (None: all), by position: under context
+        parallelism with `tail_padding`, those before the sequence's last `tail_padding`."""
+        if self.context is None or not self.tail_padding:
+            return None
+        positions = self.context.positions(L, device)
+        kept = positions < L * self.context.size - self.tail_padding
+        return kept.expand(B, -1).flatten()
 
     def _routed(
         self,

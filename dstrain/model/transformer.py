@@ -54,6 +54,8 @@ class MTPModule(nn.Module):
         self.proj = nn.Linear(2 * args.dim, args.dim, bias=False)
         self.block = TransformerBlock(args.num_layers + depth - 1, args)
         self.norm = RMSNorm(args.dim, args.norm_eps)
+        for moe in (m for m in self.block.modules() if isinstance(m, MoE)):
+            moe.tail_padding = depth  # context parallelism's padded positions (MoE)
 
     def forward(
         self,
@@ -159,21 +161,10 @@ class Transformer(nn.Module):
         one process drops, see only earlier ones (causal), so they change no kept output; their
         targets are none (`train/loss.split_targets`)."""
         embed = self.mtp_embed if self.mtp_embed is not None else self.embed
-        context = self.context
-        assert context is not None
-        B, L = next_tokens.size(0), next_tokens.size(-1)
-        positions = context.positions(L, h.device)
         outputs = []
         for module in self.mtp.values():
-            moe = next((m for m in module.modules() if isinstance(m, MoE)), None)  # wrapped too
-            if moe is not None:  # the padded positions route, but are not counted
-                kept = positions < L * context.size - module.depth
-                moe.counted_rows = kept.expand(B, -1).flatten()
-            try:
-                h = module(h, embed(next_tokens[:, module.depth - 1]), cos, sin, **mask)
-            finally:
-                if moe is not None:
-                    moe.counted_rows = None
+            # the padded positions route, but are not counted (`MoE.tail_padding`)
+            h = module(h, embed(next_tokens[:, module.depth - 1]), cos, sin, **mask)
             outputs.append(self.head(module.norm(h)))
         return outputs
 

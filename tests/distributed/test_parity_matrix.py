@@ -246,6 +246,10 @@ AUX = ["model.aux_loss_alpha=0.01"]
 CP_AUX = {
     "cp2_aux_zero1": ["parallel.cp=2", "parallel.zero_stage=1"],
     "cp2_aux_ddp": ["parallel.cp=2", "parallel.zero_stage=0"],
+    # recomputed blocks must see what their forward saw: MTP's padded positions are known to
+    # its MoE by position, not set around the call (a recompute ran without them once)
+    "cp2_aux_selective": ["parallel.cp=2", "train.activation_checkpoint=selective"],
+    "cp2_aux_full": ["parallel.cp=2", "train.activation_checkpoint=full"],
 }
 
 

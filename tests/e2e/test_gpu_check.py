@@ -45,7 +45,12 @@ def test_the_gpu_check_runs_its_steps_on_cpu(tmp_path):
     # No kernel runs on a CPU: every kernel row skips, with its reason, and says so at the end.
     kernel_rows = [row for row in rows.values() if row["kernel"]]
     kinds = {row["kernel"] for row in kernel_rows}
-    assert kinds == {"cuBLASLt blockwise FP8 scaled_mm", "grouped_mm (CUDA)", "FlexAttention"}
+    assert kinds == {
+        "cuBLASLt blockwise FP8 scaled_mm",
+        "grouped_mm (CUDA)",
+        "FlexAttention",
+        "SDPA causal_lower_right",
+    }
     for row in kernel_rows:
         assert row["verdict"] == "skip" and row["detail"].startswith("cpu"), row
         assert re.search(rf"{re.escape(row['check'])} +skip  {re.escape(row['detail'])}", table)
