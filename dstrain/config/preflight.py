@@ -4,6 +4,7 @@ The trainer calls `preflight` too, before any process group exists, and refuses 
 """
 
 from dataclasses import replace
+from pathlib import Path
 
 from dstrain.config.findings import Finding, error, info
 from dstrain.config.flavors import resolve_model_args
@@ -64,8 +65,12 @@ def _model(loaded: LoadedConfig, findings: list[Finding]) -> ModelArgs | None:
             )
         )
         return None
+    model = loaded.config.model
+    from_folder = model.hf_config is None and model.flavor is None and model.init_from is not None
+    if from_folder and not (Path(model.init_from) / "config.json").exists():
+        return None  # the paths rule names the folder (model.init_from), once
     try:
-        return resolve_model_args(loaded.config.model)
+        return resolve_model_args(model)
     except UserError as exc:
         findings.append(error("model", exc.message, exc.fix))
         return None

@@ -348,3 +348,9 @@ def test_pp_overlap_without_overlapped_pairs_warns():
     assert "parallel.pp_overlap" not in warnings(
         "parallel.pp_overlap=false", "parallel.pp=2", world=2
     )
+
+
+def test_a_missing_init_from_folder_is_one_error_naming_it(tmp_path):
+    # the architecture comes from the folder too: one finding, on the key to fix
+    bad = errors(f"model.init_from={tmp_path / 'nowhere'}", world=2)
+    assert list(bad) == ["model.init_from"], bad
