@@ -42,20 +42,20 @@ def test_compiled_one_process_matches_eager(setup, precision):  # noqa: F811
     assert worst <= RTOL[precision], worst
 
 
+def _two_ranks_compiled_vs_eager(root, common, name: str, layout: list[str]) -> float:
+    """The worst per-step loss difference of `layout` on two ranks, compiled against eager."""
+    common = [*_without_eval(common), f"train.steps={STEPS}"]
+    layouts = {f"{name}_eager": layout, f"{name}_compiled": [*layout, "train.compile=true"]}
+    spec = json.dumps({"common": common, "layouts": layouts})
+    run_ranks(2, "train_layouts", root / f"compile_{name}", spec, timeout=900)
+    eager, compiled = _losses(root, f"{name}_eager"), _losses(root, f"{name}_compiled")
+    return max(abs(a - b) / a for a, b in zip(eager, compiled, strict=True))
+
+
 def test_compiled_expert_parallel_zero1_matches_eager(setup):  # noqa: F811
     root, common, _ = setup
-    common = [*_without_eval(common), f"train.steps={STEPS}"]
     layout = ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero_stage=1"]
-    layouts = {"ep_eager": layout, "ep_compiled": [*layout, "train.compile=true"]}
-    run_ranks(
-        2,
-        "train_layouts",
-        root / "compile",
-        json.dumps({"common": common, "layouts": layouts}),
-        timeout=900,
-    )
-    eager, compiled = _losses(root, "ep_eager"), _losses(root, "ep_compiled")
-    worst = max(abs(a - b) / a for a, b in zip(eager, compiled, strict=True))
+    worst = _two_ranks_compiled_vs_eager(root, common, "ep", layout)
     print(f"compile dp2 x ep2 ZeRO-1: max loss rel diff to eager {worst:.1e}")
     assert worst <= RTOL["fp32"], worst
 
@@ -64,17 +64,7 @@ def test_compiled_context_parallel_matches_eager(setup):  # noqa: F811
     """cp2 with MTP: the blocks compile around the latent's gather (a functional collective
     inside an autograd function) and the chunked attention."""
     root, common, _ = setup
-    common = [*_without_eval(common), f"train.steps={STEPS}"]
     layout = ["parallel.cp=2", "parallel.zero_stage=1"]
-    layouts = {"cp_eager": layout, "cp_compiled": [*layout, "train.compile=true"]}
-    run_ranks(
-        2,
-        "train_layouts",
-        root / "compile_cp",
-        json.dumps({"common": common, "layouts": layouts}),
-        timeout=900,
-    )
-    eager, compiled = _losses(root, "cp_eager"), _losses(root, "cp_compiled")
-    worst = max(abs(a - b) / a for a, b in zip(eager, compiled, strict=True))
+    worst = _two_ranks_compiled_vs_eager(root, common, "cp", layout)
     print(f"compile cp2 ZeRO-1: max loss rel diff to eager {worst:.1e}")
     assert worst <= RTOL["fp32"], worst

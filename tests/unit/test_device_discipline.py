@@ -31,24 +31,29 @@ def _on_device(model: torch.nn.Module) -> torch.nn.Module:
     return model.to(torch.bfloat16)
 
 
+def _train_step(model: torch.nn.Module, *, fp16: bool = False, context=None) -> None:
+    """One step of two micro-batches on DEVICE, as rank 0 of dp 2 (the fake group's world)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = [torch.randint(0, 64, (2, 9), device=DEVICE) for _ in range(2)]
+    train_step(
+        model,
+        optimizer,
+        batches,
+        scaler=LossScaler(LossScaleConfig(), enabled=fp16),
+        precision="fp32",
+        grad_clip=1.0,
+        mtp_weight=0.3,
+        num_mtp=1,
+        bias_update_speed=1e-3,
+        dp=DataParallel(dist.group.WORLD, 2),
+        context=context,
+    )
+
+
 @pytest.mark.parametrize("fp16", [False, True], ids=["bf16", "fp16-scaler"])
 def test_the_training_step_keeps_collectives_on_the_device(fp16):
     with device_check() as recorded:
-        model = _on_device(build_model(tiny_args(), device=None))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        batches = [torch.randint(0, 64, (2, 9), device=DEVICE) for _ in range(2)]
-        train_step(
-            model,
-            optimizer,
-            batches,
-            scaler=LossScaler(LossScaleConfig(), enabled=fp16),
-            precision="fp32",
-            grad_clip=1.0,
-            mtp_weight=0.3,
-            num_mtp=1,
-            bias_update_speed=1e-3,
-            dp=DataParallel(dist.group.WORLD, 2),
-        )
+        _train_step(_on_device(build_model(tiny_args(), device=None)), fp16=fp16)
     assert len(recorded.calls) >= 4  # counts, loss, mtp loss, expert loads (+ overflow)
     assert recorded.off_device() == []
 
@@ -61,21 +66,7 @@ def test_context_parallel_keeps_its_collectives_on_the_device():
         model = _on_device(build_model(tiny_args(aux_loss_alpha=0.01), device=None))
         shard = ContextShard(dist.group.WORLD, 2, 0)
         apply_context_parallel(model, shard)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        batches = [torch.randint(0, 64, (2, 9), device=DEVICE) for _ in range(2)]
-        train_step(
-            model,
-            optimizer,
-            batches,
-            scaler=LossScaler(LossScaleConfig(), enabled=False),
-            precision="fp32",
-            grad_clip=1.0,
-            mtp_weight=0.3,
-            num_mtp=1,
-            bias_update_speed=1e-3,
-            dp=DataParallel(dist.group.WORLD, 2),
-            context=shard,
-        )
+        _train_step(model, context=shard)
     names = {name for name, _ in recorded.calls}
     expected = {"funcol.all_gather_single", "funcol.reduce_scatter_single", "funcol.all_reduce"}
     assert expected <= names, names
