@@ -53,6 +53,7 @@ class ScriptFacts:
     unchecked: dict[str, str] = field(default_factory=dict)  # flag -> the text it could not get
     nemo_overrides: dict[str, Any] = field(default_factory=dict)  # NeMo's Hydra overrides
     swift: bool = False  # ms-swift's `megatron sft|pt|rlhf` launcher (Megatron-SWIFT)
+    spellings: dict[str, str] = field(default_factory=dict)  # flag -> as written, no dashes
 
 
 def looks_like_script(suffix: str, text: str) -> bool:
@@ -246,13 +247,18 @@ def _collect_flags(text: str, facts: ScriptFacts) -> None:
             value: Any = inline
         elif i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
             value = tokens[i + 1]
+            if _FLAG_BUNDLE.fullmatch(value):
+                value = True  # `--checkpoint-activations $DS_ARGS`: a switch, then more flags
         else:
             value = True
         if facts.swift and isinstance(value, str) and value.lower() in ("true", "false"):
             value = value.lower() == "true"  # ms-swift parses booleans as values
         facts.flags[name.replace("-", "_")] = _literal(value)
+        facts.spellings[name.replace("-", "_")] = name
 
 
+# An unresolved variable that holds a bundle of flags, not one value (`$DS_ARGS`, `$GPT_OPTS`).
+_FLAG_BUNDLE = re.compile(r"<\?\w*(?:ARGS|OPTS|OPTIONS|FLAGS|PARAMS|CONFIGS?)>", re.IGNORECASE)
 # ms-swift's Megatron launchers: `megatron sft ...`, `megatron pt`, `megatron rlhf`, and the
 # console script `megatron_sft`; their flags are Megatron-LM's with booleans given as values.
 _SWIFT = re.compile(
@@ -262,7 +268,13 @@ _SWIFT = re.compile(
 # `trainer.strategy.pipeline_model_parallel_size=4`), `+`/`++` prefixed or not.
 _HYDRA = re.compile(r"^\+{0,2}(model|trainer)\.[\w.]+=")
 # NeMo's names where they differ from Megatron-LM's argument names (megatron_gpt_config.yaml).
-_NEMO_NAMES = {"encoder_seq_length": "seq_length", "num_moe_experts": "num_experts"}
+_NEMO_NAMES = {
+    "encoder_seq_length": "seq_length",
+    "num_moe_experts": "num_experts",
+    # Megatron-Core TransformerConfig names (NeMo 2, Megatron-Bridge)
+    "num_layers_in_first_pipeline_stage": "decoder_first_pipeline_num_layers",
+    "num_layers_in_last_pipeline_stage": "decoder_last_pipeline_num_layers",
+}
 _NEMO_PRECISION = {"bf16": "bf16", "bf16-mixed": "bf16", "16": "fp16", "16-mixed": "fp16"}
 
 
@@ -327,11 +339,20 @@ def import_launch_script(text: str) -> Imported:
             raw.setdefault(name, value)
         else:
             others.append(f"--{name}")
-    engine = _engine(facts)
-    out = from_deepspeed(raw, engine)
+    engine = _engine(facts, text)
+    # The engine picks the rule set: DeepSpeed's own rules judge only a DeepSpeed config the
+    # script writes and hands to Megatron-DeepSpeed. A script that launches no DeepSpeed, or
+    # names a JSON this check does not read, gets Megatron's rules alone.
+    if engine == "Megatron-DeepSpeed" and facts.deepspeed is not None:
+        out = from_deepspeed(raw, engine)
+    else:
+        out = megatron.import_flags(raw, engine)
     out.findings.extend(megatron_engine.engine_rules(engine, facts.flags, facts.deepspeed))
     unknown = [o.removeprefix("--") for o in others]
     out.findings.extend(megatron_engine.misspelt_flags(engine, unknown, megatron.known_keys()))
+    out.findings.extend(
+        megatron_engine.spelling_rules(engine, facts.spellings, megatron.known_keys())
+    )
     if facts.deepspeed_error:
         out.findings.append(
             error(
@@ -353,17 +374,47 @@ def import_launch_script(text: str) -> Imported:
     return out
 
 
-def _engine(facts: ScriptFacts) -> str:
-    """NeMo for Hydra overrides; Megatron-DeepSpeed when the script hands Megatron a DeepSpeed
-    config (`--deepspeed`, `--deepspeed_config`, a heredoc JSON); Megatron-LM otherwise."""
-    flags = facts.flags
+def _engine(facts: ScriptFacts, text: str) -> str:
+    """NeMo for Hydra overrides; Megatron-DeepSpeed when the script runs Megatron-DeepSpeed
+    (it hands Megatron a DeepSpeed config, uses the `deepspeed` launcher, a flag only that fork
+    has, or its repository's path); Megatron-LM otherwise."""
     if facts.nemo_overrides:
         return "NeMo"
     if facts.swift:
         return "ms-swift"
-    if facts.deepspeed is not None or {"deepspeed", "deepspeed_config"} & set(flags):
+    if (
+        facts.deepspeed is not None
+        or _MDS_FLAGS & set(facts.flags)
+        or _DEEPSPEED_LAUNCHER.search(text.replace("\\\n", " "))
+        or "Megatron-DeepSpeed" in text
+        or any(_DEEPSPEED_VARIABLE.search(name) for name in facts.unresolved)
+    ):
         return "Megatron-DeepSpeed"
     return "Megatron-LM"
+
+
+# Flags of Megatron-DeepSpeed (megatron/arguments.py, and deepspeed.add_config_arguments) that
+# Megatron-LM does not have.
+_MDS_FLAGS = frozenset(
+    {
+        "deepspeed",
+        "deepspeed_config",
+        "zero_stage",
+        "no_pipeline_parallel",
+        "deepspeed_activation_checkpointing",
+        "partition_activations",
+        "contigious_checkpointing",
+        "pp_partition_method",
+        "ds_sequence_parallel_size",
+        "ds_pipeline_enabled",
+    }
+)
+# `deepspeed pretrain_gpt.py ...` / `deepspeed --num_gpus 8 ...`: DeepSpeed's launcher.
+_DEEPSPEED_LAUNCHER = re.compile(
+    r"(?:^|[\s;&|/])deepspeed[ \t]+(?:--\S+(?:[ \t]+[^-\s]\S*)?[ \t]+)*\S+\.py"
+)
+# An unassigned variable that carries DeepSpeed's flags (`$DS_ARGS`, `${DEEPSPEED_ARGS}`).
+_DEEPSPEED_VARIABLE = re.compile(r"(?i)^(?:ds|deepspeed)(?:_|$)|_ds_|deepspeed")
 
 
 def _resolved(node: dict[str, Any], prefix: str, facts: ScriptFacts) -> dict[str, Any]:

@@ -8,6 +8,7 @@ accepted alike (`--tensor-model-parallel-size` is `tensor_model_parallel_size`).
 from collections.abc import Callable
 from typing import Any
 
+from dstrain.config import megatron_split
 from dstrain.config.ds_keys import MEGATRON_ARGS
 from dstrain.config.findings import error, info, trainer_limit
 from dstrain.config.imported import Imported, as_bool, as_float, as_int
@@ -154,6 +155,15 @@ def is_megatron_key(key: str) -> bool:
     return normalize(key) in known_keys()
 
 
+def import_flags(flags: dict[str, Any], engine: str) -> Imported:
+    """A launch's Megatron flags as a dstrain config, judged by `engine`'s rules alone (no
+    DeepSpeed config is involved)."""
+    out = Imported(engine=engine)
+    map_keys({k: v for k, v in flags.items() if is_megatron_key(k)}, out)
+    finish(out)
+    return out
+
+
 def map_keys(items: dict[str, Any], out: Imported) -> None:
     """Map Megatron keys into `out`; the ones that depend on others (min_lr on lr) go last."""
     ordered = sorted(items.items(), key=lambda item: normalize(item[0]) in _SPECIAL)
@@ -196,6 +206,7 @@ def _map_special(name: str, key: str, value: Any, out: Imported) -> None:
         out.set("model.attention", "mla")
     elif name == "num_layers_per_virtual_pipeline_stage":
         out.virtual_layers_per_stage = as_int(value, key, out.findings, minimum=1)
+        out.stage_layers[name] = out.virtual_layers_per_stage  # with the layers (`finish`)
         out.set("parallel.pp_schedule", "interleaved-1f1b")
     elif name in ("virtual_pipeline_model_parallel_size", "num_virtual_stages_per_pipeline_rank"):
         # Megatron-LM's schedule follows from the count: more than one model chunk per pipeline
@@ -203,16 +214,15 @@ def _map_special(name: str, key: str, value: Any, out: Imported) -> None:
         # get_forward_backward_func: forward_backward_pipelining_with_interleaving).
         chunks = as_int(value, key, out.findings, minimum=1)
         if chunks is not None:
+            out.stage_layers[name] = chunks  # the layer split (`finish`)
             out.set("parallel.num_virtual_stages", chunks)
             if chunks > 1:
                 out.set("parallel.pp_schedule", "interleaved-1f1b")
-    elif name in (
-        "decoder_first_pipeline_num_layers",
-        "decoder_last_pipeline_num_layers",
-        "account_for_embedding_in_pipeline_split",
-        "account_for_loss_in_pipeline_split",
-    ):
-        out.stage_layers[name] = value  # resolved once layers and pp are known (`finish`)
+    elif name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+        if (count := as_int(value, key, out.findings)) is not None:
+            out.stage_layers[name] = count  # resolved once layers and pp are known (`finish`)
+    elif name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
+        out.stage_layers[name] = as_bool(value, key, out.findings)
     elif name in ("bf16", "fp16") and as_bool(value, key, out.findings):
         if out.data.get("train", {}).get("precision") in ("bf16", "fp16"):
             # megatron/training/arguments.py, validate_args: `assert not args.fp16` under
@@ -255,7 +265,6 @@ def finish(out: Imported) -> None:
     _samples_to_steps(out)
     _warmup(out)
     _stage_layers(out)
-    _even_stages(out)
     # A model is described when Megatron's required shape arguments are (arguments.py asserts
     # num_layers, hidden_size and num_attention_heads are not None): a tuning key alone (the
     # aux-loss weight) does not make the rest of the architecture Megatron's defaults.
@@ -273,22 +282,6 @@ def finish(out: Imported) -> None:
         out.data.pop("model")
     if out.model_given:
         _implied_architecture(out)
-
-
-def _even_stages(out: Imported) -> None:
-    """Megatron-LM splits layers evenly unless told to trim a stage: an imported pipeline keeps
-    that rule (dstrain's own default, automatic trimming, would hide a split that fails under
-    it). Megatron-DeepSpeed's pipeline is DeepSpeed's PipelineModule, which balances layers by
-    parameter count (partition_method "parameters", deepspeed/runtime/pipe/module.py) and so
-    accepts any count: there dstrain's automatic trimming stands."""
-    parallel = out.data.get("parallel", {})
-    if out.engine == "Megatron-DeepSpeed":
-        return
-    if parallel.get("pp", 1) > 1:
-        for end in ("first", "last"):
-            key = f"parallel.pp_{end}_stage_less_layers"
-            if key.rsplit(".", 1)[1] not in parallel:
-                out.set(key, 0, out.origins.get("parallel.pp"))
 
 
 def _warmup(out: Imported) -> None:
@@ -309,66 +302,75 @@ def _warmup(out: Imported) -> None:
 
 
 def _stage_layers(out: Imported) -> None:
-    """Megatron-LM's flags that override the even split of layers over pipeline stages, as
-    dstrain's per-end trims. `--account-for-embedding/loss-in-pipeline-split` count the
-    embedding (the head and loss) as one layer of the first (last) stage; `--decoder-first/
-    last-pipeline-num-layers N` give that stage N layers and split the rest evenly
-    (megatron/core/transformer/transformer_block.py, get_num_layers_to_build)."""
-    given = out.stage_layers
-    if not given:
-        return
+    """Megatron-Core's split of the layers over the pipeline ranks and their virtual stages
+    (megatron_split.pipeline_split), checked as soon as --num-layers and the pipeline size are
+    given, whatever else of the architecture the script leaves out, and kept as dstrain's
+    per-end trims. Megatron-DeepSpeed's pipeline is DeepSpeed's PipelineModule, which balances
+    layers by parameter count (partition_method "parameters", deepspeed/runtime/pipe/module.py)
+    and so accepts any count: there dstrain's automatic trimming stands."""
+    split = out.stage_layers
+    pp = out.data.get("parallel", {}).get("pp", 1)
     layers = out.data.get("model", {}).get("num_layers")
-    parallel = out.data.get("parallel", {})
-    pp = parallel.get("pp", 1)
-    if given.get("account_for_embedding_in_pipeline_split") is True:
-        out.set("parallel.pp_first_stage_less_layers", 1, "account_for_embedding_in_pipeline_split")
-    if given.get("account_for_loss_in_pipeline_split") is True:
-        out.set("parallel.pp_last_stage_less_layers", 1, "account_for_loss_in_pipeline_split")
-    first = given.get("decoder_first_pipeline_num_layers")
-    last = given.get("decoder_last_pipeline_num_layers")
-    if first is None and last is None:
+    if out.engine == "Megatron-DeepSpeed" or pp < 2:
         return
-    if not isinstance(layers, int) or pp < 2:
-        out.findings.append(
-            info(
-                "decoder_first_pipeline_num_layers",
-                "needs --num-layers and a pipeline size beside it to become per-stage trims",
-            )
-        )
-        return
-    ends = [n for n in (first, last) if isinstance(n, int)]
-    middle_stages = pp * parallel.get("num_virtual_stages", 1) - len(ends)
-    rest = layers - sum(ends)
-    if middle_stages < 1 or rest < 0 or rest % middle_stages:
-        out.findings.append(
-            error(
-                "decoder_first_pipeline_num_layers",
-                f"{layers} layers less {sum(ends)} on the end stage(s) do not split evenly over "
-                f"the other {middle_stages} stage(s): Megatron-LM asserts an even split of the "
-                "rest",
-                "choose first/last stage layer counts that leave a multiple of the other stages",
-            )
-        )
-        return
-    share = rest // middle_stages
-    for end, count in (("first", first), ("last", last)):
-        if not isinstance(count, int):
-            continue
-        if count > share:
+    if not isinstance(layers, int):
+        if (
+            "decoder_first_pipeline_num_layers" in split
+            or "decoder_last_pipeline_num_layers" in split
+        ):
             out.findings.append(
-                trainer_limit(
-                    f"decoder_{end}_pipeline_num_layers",
-                    f"the {end} stage holds {count} layers, more than the others' {share}: "
-                    "dstrain's split only trims the end stages",
-                    "give the end stage at most as many layers as the others",
+                info(
+                    "decoder_first_pipeline_num_layers",
+                    "needs --num-layers beside it to become per-stage trims",
                 )
             )
-            continue
-        out.set(
-            f"parallel.pp_{end}_stage_less_layers",
-            share - count,
-            f"decoder_{end}_pipeline_num_layers",
+        _set_trims(out, 0, 0, out.origins.get("parallel.pp"))  # Megatron's even split
+        return
+    chunks, vp, found = megatron_split.pipeline_split(layers, pp, split)
+    out.findings.extend(found)
+    if "num_layers_per_virtual_pipeline_stage" in split:
+        out.virtual_layers_per_stage = None  # resolved here, with the embedding/loss counted
+        if chunks is not None:
+            out.set("parallel.num_virtual_stages", vp, "num_layers_per_virtual_pipeline_stage")
+        else:  # refused above: no virtual size to run the interleaved schedule with
+            out.set("parallel.pp_schedule", "1f1b", "num_layers_per_virtual_pipeline_stage")
+    if chunks is None:
+        # Refused above, once: dstrain's automatic trims stand in, so that its own layer rule
+        # does not report the same split a second time.
+        _set_trims(out, None, None, out.origins.get("parallel.pp"))
+        return
+    _chunks_as_trims(out, chunks, split)
+
+
+def _chunks_as_trims(out: Imported, chunks: list[int], split: dict[str, Any]) -> None:
+    """dstrain's split: every virtual stage holds the same layers except the first and the
+    last, which may hold fewer. Megatron's uneven first/last *rank* under a virtual size puts
+    its count on every chunk of that rank, which dstrain cannot lay out."""
+    middle = chunks[1:-1] or [max(chunks)]
+    share = max(middle)
+    first, last = share - chunks[0], share - chunks[-1]
+    given = [k for k in split if k.startswith(("decoder_", "account_for_"))]
+    source = given[0] if given else out.origins.get("parallel.pp")
+    if len(set(middle)) > 1 or first < 0 or last < 0:
+        out.findings.append(
+            trainer_limit(
+                source or "pipeline_model_parallel_size",
+                f"Megatron-Core builds {chunks} layers on its {len(chunks)} virtual stages; "
+                "dstrain's split holds the same count on every stage but the first and the last, "
+                "which may hold fewer",
+                "give the end stages at most as many layers as the others, and under a virtual "
+                "size as many as the middle ranks",
+            )
         )
+        return
+    _set_trims(out, first, last, source)
+
+
+def _set_trims(out: Imported, first: int | None, last: int | None, source: str | None) -> None:
+    parallel = out.data.get("parallel", {})
+    for end, count in (("first", first), ("last", last)):
+        if f"pp_{end}_stage_less_layers" not in parallel or count is None:
+            out.set(f"parallel.pp_{end}_stage_less_layers", count, source)
 
 
 def _samples_to_steps(out: Imported) -> None:

@@ -93,12 +93,15 @@ _LAUNCHER_FLAGS = frozenset(
 def misspelt_flags(engine: str, unknown: list[str], known: set[str]) -> list[Finding]:
     """Flags Megatron-LM does not know that read like one of its own: its parser
     (argparse with allow_abbrev=False, megatron/training/arguments.py, parse_args) stops with
-    `unrecognized arguments`. A warning, since the same line carries other programs' flags."""
-    if engine not in ("Megatron-LM", "Megatron-DeepSpeed"):
+    `unrecognized arguments`; ms-swift's (HfArgumentParser) with `remaining_argv`. A warning,
+    since the same line carries other programs' flags (and ms-swift's own)."""
+    if engine not in ("Megatron-LM", "Megatron-DeepSpeed", "ms-swift"):
         return []
     found = []
     for name in unknown:
-        if name in _LAUNCHER_FLAGS or name.startswith(("no_", "disable_")):
+        if name in _LAUNCHER_FLAGS or name.startswith(("no_", "disable_")) or name in _RENAMED:
+            continue
+        if engine == "ms-swift" and name in _SWIFT_OWN:
             continue  # store_false flags (--no-bias-swiglu-fusion) have another dest
         # Close spellings only (difflib's ratio >= 0.85), not suggest.closest's containment
         # fallback: `--fp8` is not a typo of `--fp8-format`.
@@ -115,6 +118,99 @@ def misspelt_flags(engine: str, unknown: list[str], known: set[str]) -> list[Fin
                 )
             )
     return found
+
+
+# ms-swift's own arguments (swift/llm/argument, swift/megatron/argument) that read like one of
+# Megatron's: not typos (`--lora_rank` is not `--q-lora-rank`).
+_SWIFT_OWN = frozenset(
+    {
+        "lora_rank",
+        "lora_alpha",
+        "lora_dropout",
+        "target_modules",
+        "train_type",
+        "model_type",
+        "max_length",
+        "max_epochs",
+        "num_train_epochs",
+        "split_dataset_ratio",
+        "dataset_num_proc",
+        "load_from_cache_file",
+        "save_safetensors",
+        "freeze_llm",
+        "freeze_vit",
+        "freeze_aligner",
+        "attn_impl",
+        "padding_free",
+        "packing",
+        "mcore_model",
+        "mcore_adapter",
+        "ref_load",
+        "ref_adapter_load",
+        "vit_gradient_checkpointing",
+        "model_author",
+        "model_name",
+        "report_to",
+    }
+)
+
+# Flags of earlier Megatron-LM releases that the 2025 arguments.py keeps only under a
+# deprecated dest (use_dist_ckpt_deprecated, dist_ckpt_format_deprecated,
+# deprecated_use_mcore_models) or no longer has, and what replaces them (None: the behaviour is
+# the default now). The release after it refuses them with `unrecognized arguments`.
+_RENAMED: dict[str, str | None] = {
+    "use_dist_ckpt": "--ckpt-format torch_dist",
+    "dist_ckpt_format": "--ckpt-format",
+    "use_mcore_models": None,
+    "moe_token_dropping": "--moe-expert-capacity-factor",
+    "encoder_pipeline_model_parallel_size": None,
+    "virtual_pipeline_model_parallel_size": "--num-virtual-stages-per-pipeline-rank",
+}
+
+
+def spelling_rules(engine: str, spellings: dict[str, str], known: set[str]) -> list[Finding]:
+    """How Megatron-LM's parser takes the flags as written (`spellings`: argparse dest -> the
+    flag as the script writes it, without the dashes): renamed flags, and underscore spellings
+    of its dashed flags, which argparse does not match (`unrecognized arguments`)."""
+    if engine not in ("Megatron-LM", "Megatron-DeepSpeed"):
+        return []
+    found = []
+    for name, written in spellings.items():
+        if name in _RENAMED and engine == "Megatron-LM":
+            new = _RENAMED[name]
+            found.append(
+                warning(
+                    f"--{written}",
+                    f"--{written} is gone from current Megatron-LM (the 2025 arguments.py keeps it "
+                    "at most as deprecated; later releases stop with `unrecognized arguments`)"
+                    + (f": it is {new} now" if new else ": its behaviour is the default now"),
+                    f"use {new}" if new else f"drop --{written}",
+                )
+            )
+    if engine == "Megatron-LM":
+        found += _underscore_spellings(spellings, known)
+    return found
+
+
+def _underscore_spellings(spellings: dict[str, str], known: set[str]) -> list[Finding]:
+    """`--micro_batch_size` for Megatron-LM's `--micro-batch-size`. An error when the script
+    writes its other Megatron flags with dashes (so Megatron-LM's own parser reads the line);
+    a warning when most are underscored (a wrapper such as ms-swift may read them)."""
+    ours = {n: w for n, w in spellings.items() if n in known and n not in _LAUNCHER_FLAGS}
+    underscored = [w for w in ours.values() if "_" in w]
+    if not underscored:
+        return []
+    mostly_dashed = len(underscored) * 2 < len(ours)
+    level = error if mostly_dashed else warning
+    return [
+        level(
+            f"--{w}",
+            f"--{w} is written with underscores: Megatron-LM defines --{w.replace('_', '-')} and "
+            "its parser (argparse) stops with `unrecognized arguments` on the other spelling",
+            f"write --{w.replace('_', '-')}",
+        )
+        for w in underscored
+    ]
 
 
 def _given(flags: dict[str, Any], name: str) -> bool:
@@ -160,23 +256,28 @@ def _flag_combinations(flags: dict[str, Any], engine: str) -> list[Finding]:
     defaults_known = engine in ("Megatron-LM", "Megatron-DeepSpeed")
     ep = flags.get("expert_model_parallel_size", 1)
     tp = flags.get("tensor_model_parallel_size", 1)
+    # Both asserts are in validate_args of the 2023-2025 releases read; the differential run
+    # against Megatron-LM of 2026-08 (issue 33) starts both: a warning that names both.
     if isinstance(ep, int) and ep > 1 and _given(flags, "fp16"):
         found.append(
-            error(
+            warning(
                 "--fp16",
-                "expert parallelism with fp16: Megatron asserts `Expert parallelism is not "
-                "supported with fp16 training.`",
-                "use --bf16 with --expert-model-parallel-size > 1",
+                "expert parallelism with fp16: Megatron-LM 2023-2025 asserts `Expert parallelism "
+                "is not supported with fp16 training.`; current Megatron-LM (2026) no longer has "
+                "the assert",
+                "use --bf16 with --expert-model-parallel-size > 1 on older releases",
             )
         )
     if _given(flags, "moe_grouped_gemm") and (
         _given(flags, "fp16") or (defaults_known and not _given(flags, "bf16"))
     ):
         found.append(
-            error(
+            warning(
                 "--moe-grouped-gemm",
-                "Megatron asserts `Currently GroupedGEMM for MoE only supports bf16 dtype.`",
-                "add --bf16, or drop --moe-grouped-gemm",
+                "--moe-grouped-gemm without --bf16: Megatron-LM 2024-2025 asserts `Currently "
+                "GroupedGEMM for MoE only supports bf16 dtype.`; current Megatron-LM (2026) no "
+                "longer has the assert",
+                "add --bf16 on older releases, or drop --moe-grouped-gemm",
             )
         )
     if (
@@ -195,6 +296,7 @@ def _flag_combinations(flags: dict[str, Any], engine: str) -> list[Finding]:
                 "add --sequence-parallel",
             )
         )
+    found += _recompute(flags, engine)
     if flags.get("recompute_granularity") == "selective" and _given(flags, "recompute_method"):
         found.append(
             error(
@@ -234,19 +336,64 @@ def _flag_combinations(flags: dict[str, Any], engine: str) -> list[Finding]:
                     "add --overlap-grad-reduce",
                 )
             )
-    if (
-        _given(flags, "num_layers_per_virtual_pipeline_stage")
-        and flags.get("pipeline_model_parallel_size", 1) == 2
-    ):
-        found.append(
-            warning(
-                "--num-layers-per-virtual-pipeline-stage",
-                "the interleaved schedule at pipeline size 2: Megatron-LM 2023-24 asserts "
-                "`pipeline-model-parallel size should be greater than 2 with interleaved "
-                "schedule`; 2025 releases accept it while p2p overlap is on (the default)",
-                "use pp > 2 on older Megatron-LM",
+    found += _interleaving(flags)
+    return found
+
+
+_VIRTUAL = (
+    "num_layers_per_virtual_pipeline_stage",
+    "num_virtual_stages_per_pipeline_rank",
+    "virtual_pipeline_model_parallel_size",
+)
+
+
+def _interleaving(flags: dict[str, Any]) -> list[Finding]:
+    """validate_args, on any spelling of the virtual size: the interleaved schedule needs
+    pp > 1 (2025, with p2p overlap on, the default) or pp > 2 (2023-24, and 2025 with
+    --no-overlap-p2p-communication)."""
+    given = [name for name in _VIRTUAL if _given(flags, name)]
+    pp = flags.get("pipeline_model_parallel_size", 1)
+    if not given or not isinstance(pp, int) or pp > 2:
+        return []
+    flag = f"--{given[0].replace('_', '-')}"
+    if pp == 1:
+        return [
+            error(
+                flag,
+                f"{flag} at pipeline size 1: Megatron asserts `When interleaved schedule is used, "
+                "pipeline-model-parallel size should be greater than 1`",
+                f"drop {flag}, or use --pipeline-model-parallel-size > 1",
             )
+        ]
+    return [
+        warning(
+            flag,
+            "the interleaved schedule at pipeline size 2: Megatron-LM 2023-24 asserts "
+            "`pipeline-model-parallel size should be greater than 2 with interleaved "
+            "schedule`; 2025 releases accept it while p2p overlap is on (the default)",
+            "use pp > 2 on older Megatron-LM",
         )
+    ]
+
+
+def _recompute(flags: dict[str, Any], engine: str) -> list[Finding]:
+    """TransformerConfig.__post_init__: full recomputation needs a method (block or uniform)
+    and a layer count; selective takes neither. Argparse defaults both to None in Megatron-LM
+    and ms-swift; NeMo's config and Megatron-DeepSpeed's engine may set them."""
+    if engine not in ("Megatron-LM", "ms-swift") or flags.get("recompute_granularity") != "full":
+        return []
+    found = []
+    for name, missing in (("recompute_method", "method"), ("recompute_num_layers", "num_layers")):
+        if not _given(flags, name):
+            found.append(
+                error(
+                    "--recompute-granularity",
+                    f"--recompute-granularity full without --{name.replace('_', '-')}: "
+                    f"Megatron-Core raises `Using recompute_granularity: full so recompute_"
+                    f"{missing} must be ...` (TransformerConfig.__post_init__)",
+                    "add --recompute-method uniform --recompute-num-layers 1",
+                )
+            )
     return found
 
 
