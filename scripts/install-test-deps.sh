@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# System programs the test suite drives: a real Prometheus server (the exporter's scrape test)
-# and headless Chromium (the report's browser test). Installs them with apt-get when missing and
+# System programs the test suite drives: a real Prometheus server and promtool (the exporter's
+# scrape test and lint, the alert rules' unit tests) and headless Chromium (the report's browser
+# test). Installs them with apt-get when missing and
 # this shell may (root); otherwise says what to install. Python packages come from pyproject.
 set -euo pipefail
 missing=()
-command -v prometheus >/dev/null || missing+=(prometheus)
+# Debian's prometheus package ships promtool too (the exporter's lint and the alert rules' tests)
+{ command -v prometheus && command -v promtool; } >/dev/null || missing+=(prometheus)
 command -v chromium >/dev/null || missing+=(chromium)
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0

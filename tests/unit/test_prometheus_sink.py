@@ -1,9 +1,11 @@
-"""The Prometheus exporter: names and labels as scraped over HTTP, the port's life cycle, and the
-Grafana dashboard against the series the exporter writes."""
+"""The Prometheus exporter: names, labels, base units and metric types as scraped over HTTP, the
+port's life cycle, and the Grafana dashboard against the series the exporter writes.
+(tests/unit/test_promtool.py has Prometheus' own linter judge the names.)"""
 
 import itertools
 import json
 import re
+import time
 import urllib.request
 
 import pytest
@@ -17,13 +19,21 @@ DASHBOARD = REPO / "dashboards" / "grafana" / "dstrain.json"
 AXES = ("dp", "tp", "ep", "pp", "cp", "world")
 
 
+def exposition(port: int) -> str:
+    """The text the exporter serves at /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return response.read().decode()
+
+
+def families(port: int) -> list:
+    return list(text_string_to_metric_families(exposition(port)))
+
+
 def scrape(port: int) -> dict[tuple[str, frozenset], float]:
     """{(name, labels): value} for every sample the exporter serves."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
     return {
         (sample.name, frozenset(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
+        for family in families(port)
         for sample in family.samples
     }
 
@@ -56,7 +66,9 @@ def test_every_kind_of_key_is_named_and_labelled(sink):
             "new-thing/odd.key": 7.0,
         },
     )
-    assert scrape(sink.port) == dict(
+    scraped = scrape(sink.port)
+    heartbeat = scraped.pop(series("dstrain_step_timestamp_seconds", 0)[0])
+    assert scraped == dict(
         [
             series("dstrain_loss_main", 2.5),
             series("dstrain_throughput_mfu", 0.41),
@@ -74,6 +86,47 @@ def test_every_kind_of_key_is_named_and_labelled(sink):
             series("dstrain_step", 40),
         ]
     )
+    assert time.time() - 60 < heartbeat <= time.time()
+
+
+# Prometheus wants base units (seconds, bytes, FLOP/s) and `_total` on counters; dstrain's keys
+# keep their own units (MiB, ms, s, TFLOP/s), so the exporter renames and converts.
+UNITS = [
+    ("time/step_s", 0.5, series("dstrain_time_step_seconds", 0.5)),
+    ("time/data_s", 0.25, series("dstrain_time_data_seconds", 0.25)),
+    ("memory/rss_mb", 3.0, series("dstrain_memory_rss_bytes", 3 * 2**20)),
+    ("memory/model_states_mb", 0.5, series("dstrain_memory_model_states_bytes", 2**19)),
+    ("pipeline/time_b_ms", 12.0, series("dstrain_pipeline_action_seconds", 0.012, action="B")),
+    ("pipeline/time_w_ms", 4.0, series("dstrain_pipeline_action_seconds", 0.004, action="W")),
+    ("throughput/tokens_per_s", 900.0, series("dstrain_throughput_tokens_per_second", 900.0)),
+    (
+        "throughput/tokens_per_s_per_device",
+        450.0,
+        series("dstrain_throughput_tokens_per_second_per_device", 450.0),
+    ),
+    (
+        "throughput/tflops_per_device",
+        1.5,
+        series("dstrain_throughput_flops_per_second_per_device", 1.5e12),
+    ),
+    ("guard/bad_steps", 2.0, series("dstrain_guard_bad_steps_total", 2.0)),
+]
+
+
+def test_units_become_base_units(sink):
+    sink.write(7, {key: value for key, value, _ in UNITS})
+    scraped = scrape(sink.port)
+    for key, _, ((name, labels), converted) in UNITS:
+        assert scraped[name, labels] == pytest.approx(converted, rel=1e-12), key
+        assert prometheus_name(key) == (name, dict(labels - {("run", "t"), ("rank", "3")}))
+
+
+def test_cumulative_keys_are_counters_and_the_rest_gauges(sink):
+    sink.write(3, {"guard/bad_steps": 1.0, "loss/main": 2.0})
+    types = {family.name: family.type for family in families(sink.port)}
+    assert types["dstrain_guard_bad_steps"] == "counter"  # the parser strips `_total`
+    assert {types[n] for n in ("dstrain_loss_main", "dstrain_step")} == {"gauge"}
+    assert types["dstrain_step_timestamp_seconds"] == "gauge"
 
 
 def test_a_later_write_replaces_the_values_and_rewind_keeps_them(sink):
