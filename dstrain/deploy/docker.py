@@ -81,6 +81,9 @@ FROM {base}
 
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 \\
     VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
+# Distribution packages float within the pinned base image's release: an exact apt version
+# pin breaks the build as soon as Ubuntu's archive moves on (hadolint DL3008).
+# hadolint ignore=DL3008
 RUN apt-get update \\
  && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \\
  && rm -rf /var/lib/apt/lists/* \\
@@ -90,6 +93,7 @@ RUN apt-get update \\
 COPY <<'CONSTRAINTS' /opt/constraints.txt
 {constraints}
 CONSTRAINTS
+
 # torch from the {spec.cuda} index (PyPI's default wheel may target another CUDA).
 RUN pip install -c /opt/constraints.txt torch --index-url {TORCH_INDEX.format(cuda=spec.cuda)}
 

@@ -1,6 +1,8 @@
 """Slurm and bare metal: an sbatch script that starts one torchrun agent per node through srun,
 and launch.sh, the same torchrun command for any machine (ssh, pdsh, a test)."""
 
+import tomllib
+
 from dstrain.deploy.launch import env_defaults, env_exports, launch_defaults, torchrun_command
 from dstrain.deploy.nccl_env import nccl_env
 from dstrain.deploy.spec import CONFIG_NAME, DeploySpec
@@ -29,20 +31,34 @@ exec {torchrun_command()}
 """
 
 
+def cpu_only(spec: DeploySpec) -> bool:
+    """A CPU run (comm.backend gloo, or cluster.gpu `cpu`): it asks Slurm for no GPU, which a
+    cluster without GPU GRES would refuse. `auto` picks NCCL on a GPU node, so it asks."""
+    config = tomllib.loads(spec.config_toml)
+    backend = config.get("comm", {}).get("backend")
+    return backend == "gloo" or str(config.get("cluster", {}).get("gpu")).lower() == "cpu"
+
+
 def render_sbatch(spec: DeploySpec) -> str:
     chosen = (("time", spec.time), ("partition", spec.partition))
     optional = "".join(f"#SBATCH --{key}={value}\n" for key, value in chosen if value)
+    gpus = "" if cpu_only(spec) else f"#SBATCH --gpus-per-node={spec.gpus_per_node}\n"
+    ranks = "CPU rank(s)" if cpu_only(spec) else "rank(s), one per GPU"
     return f"""#!/bin/bash
 #SBATCH --job-name={spec.job_name}
 #SBATCH --nodes={spec.nodes}
 #SBATCH --ntasks-per-node=1
-#SBATCH --gpus-per-node={spec.gpus_per_node}
-#SBATCH --cpus-per-task={spec.cpus_per_task}
+{gpus}#SBATCH --cpus-per-task={spec.cpus_per_task}
 #SBATCH --exclusive
 #SBATCH --output=%x-%j.out
 {optional}# dstrain on Slurm: submit from this folder (cd DIR && sbatch {SBATCH_NAME}), or set
-# DEPLOY_DIR. One task per node runs one torchrun agent, which starts {spec.gpus_per_node} rank(s);
+# DEPLOY_DIR. One task per node runs one torchrun agent, which starts {spec.gpus_per_node} {ranks};
 # the agents meet through c10d rendezvous on the first node of the allocation.
+# --cpus-per-task={spec.cpus_per_task} is every CPU the node's agent and its ranks (and their
+# dataloaders) may use: it must not exceed a node's CPUs (sinfo -o "%n %c"). A job that asks
+# for more never starts: sbatch refuses it ("Requested node configuration is not available")
+# or, without EnforcePartLimits, it stays PENDING with reason PartitionConfig. Then render
+# again with a smaller --cpus-per-task, or override it: sbatch --cpus-per-task=N {SBATCH_NAME}.
 # Restarts: torchrun restarts the worker group up to MAX_RESTARTS times in place (the workers
 # resume from the newest checkpoint); --kill-on-bad-exit ends the whole step when an agent
 # gives up, and Slurm itself does not requeue (add --requeue for that).
@@ -61,5 +77,10 @@ export RDZV_ID="$SLURM_JOB_ID"
 export MAX_RESTARTS={spec.max_restarts}
 export DSTRAIN_CONFIG="${{DSTRAIN_CONFIG:-$DEPLOY_DIR/{CONFIG_NAME}}}"
 {env_exports(nccl_env(spec, "slurm"), overridable=True)}
-srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c '{torchrun_command()}'
+# srun's --cpus-per-task, said again: Slurm's docs since 22.05 say srun does not inherit it
+# from sbatch, and a step without it gets one CPU per task: with core binding every rank of
+# the node would share that one core.
+srun --kill-on-bad-exit=1 --ntasks-per-node=1 \\
+  --cpus-per-task="${{SLURM_CPUS_PER_TASK:-{spec.cpus_per_task}}}" \\
+  bash -c '{torchrun_command()}'
 """

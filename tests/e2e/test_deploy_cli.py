@@ -185,3 +185,28 @@ def test_deploy_runs_on_a_laptop_without_importing_torch(tmp_path):
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("overrides", "gpus"),
+    [
+        ((), True),  # comm.backend auto: NCCL on a GPU node
+        (("--set", 'comm.backend="gloo"'), False),
+        (("--set", 'cluster.gpu="cpu"'), False),
+    ],
+)
+def test_slurm_asks_for_gpus_only_for_a_gpu_run_and_srun_gets_the_cpus(tmp_path, overrides, gpus):
+    out = tmp_path / "o"
+    done = deploy_cli(
+        "slurm", DEBUG, "-o", out, "--nodes", "2", "--gpus-per-node", "2", "--cpus-per-task", "4",
+        *overrides,
+    )  # fmt: skip
+    assert done.code == 0, done.err
+    sbatch = (out / "dstrain.sbatch").read_text()
+    # A cluster without GPU GRES refuses a job that asks for GPUs.
+    assert ("#SBATCH --gpus-per-node=2\n" in sbatch) is gpus
+    assert "gpus" not in sbatch.replace("#SBATCH --gpus-per-node=2\n", "").split("srun")[0].lower()
+    assert "#SBATCH --cpus-per-task=4\n" in sbatch
+    # Slurm's docs since 22.05: srun does not inherit --cpus-per-task from sbatch.
+    srun = sbatch[sbatch.index("\nsrun ") :]
+    assert '--cpus-per-task="${SLURM_CPUS_PER_TASK:-4}"' in srun.split("bash -c")[0]
