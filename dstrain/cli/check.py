@@ -1,8 +1,12 @@
 """`dstrain check CONFIG`: the pre-flight, in milliseconds, with no GPU and no process group."""
 
 import argparse
+import contextlib
+import os
+from collections.abc import Iterator
 
 from dstrain.cli.common import add_config_args, add_json_flag, console, positive_int, print_json
+from dstrain.config.ds_keys import NEWEST_RELEASE, RELEASE_ENV
 from dstrain.config.ds_lint import IMPORT_RULES
 from dstrain.config.findings import SEVERITIES, Finding, has_errors, has_unsupported
 from dstrain.config.load import LoadedConfig, load_config
@@ -74,6 +78,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "own engine's; what dstrain cannot run is reported, exit 0) or `dstrain` (exit 3 when "
         "dstrain cannot run it)",
     )
+    parser.add_argument(
+        "--deepspeed-release",
+        metavar="X.Y.Z",
+        help=f"judge a DeepSpeed file by this release's rules (default {NEWEST_RELEASE}, the "
+        "newest modelled; 0.18.9 keeps the features 0.19 removed, 0.16.9 reads fp16/bf16 "
+        "loosely). With DeepSpeed installed, the engine's own loader also judges the file",
+    )
     parser.add_argument("--rules", action="store_true", help="list the rules and exit")
     add_json_flag(parser)
     parser.set_defaults(func=run)
@@ -84,6 +95,26 @@ def run(args: argparse.Namespace) -> int:
         return _list_rules(args.json)
     if args.config is None and not args.overrides:
         raise UserError("no config given", "dstrain check CONFIG [--world-size N]")
+    with _deepspeed_release(args.deepspeed_release):
+        return _check(args)
+
+
+@contextlib.contextmanager
+def _deepspeed_release(name: str | None) -> Iterator[None]:
+    """--deepspeed-release, as the rules read it ($DSTRAIN_DEEPSPEED_RELEASE), for this call."""
+    before = os.environ.get(RELEASE_ENV)
+    if name:
+        os.environ[RELEASE_ENV] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(RELEASE_ENV, None)
+        else:
+            os.environ[RELEASE_ENV] = before
+
+
+def _check(args: argparse.Namespace) -> int:
     try:
         loaded = load_config(args.config, args.overrides)
     except UserError as exc:

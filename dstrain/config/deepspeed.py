@@ -8,8 +8,10 @@ from typing import Any
 
 from dstrain.config import ds_lint, megatron
 from dstrain.config.ds_engine import ONE_BIT, deepspeed_true, uses_auto
+from dstrain.config.ds_keys import release
+from dstrain.config.ds_verdict import engine_verdict
 from dstrain.config.findings import error, info, warning
-from dstrain.config.imported import AUTO, Imported, as_bool, as_float, as_int
+from dstrain.config.imported import AUTO, Imported, as_bool, as_float, as_int, lax_value
 
 # Keys DeepSpeed accepts that change nothing in dstrain, with the reason shown to the user.
 _NO_EFFECT = {
@@ -41,11 +43,23 @@ _NO_EFFECT = {
 }
 
 
-def from_deepspeed(raw: dict[str, Any], engine: str = "DeepSpeed") -> Imported:
+def from_deepspeed(
+    raw: dict[str, Any], engine: str = "DeepSpeed", text: str | None = None
+) -> Imported:
     """Map a DeepSpeed config dict (with any Megatron keys beside it) to a dstrain config dict,
-    as `engine` would read it."""
-    out = Imported(engine=engine)
-    out.findings.extend(ds_lint.lint(raw))
+    as `engine` would read it, by the rules of one DeepSpeed release (the newest, or
+    $DSTRAIN_DEEPSPEED_RELEASE). `text` is the file's own text, when there is one: read as
+    DeepSpeed's hjson loader reads it. With DeepSpeed importable, its own loader judges too."""
+    rel = release()
+    out = Imported(engine=engine, release=rel)
+    out.findings.append(
+        info("deepspeed release", f"the offline rules model DeepSpeed {rel.name}", ds_lint.HINT)
+    )
+    if text is not None:
+        out.findings.extend(ds_lint.read_hjson(text)[1])
+    if engine == "DeepSpeed":
+        out.findings.extend(engine_verdict(raw, text))
+    out.findings.extend(ds_lint.lint(raw, rel))
     foreign = {k: v for k, v in raw.items() if k not in ds_lint.top_level_keys()}
     megatron.map_keys({k: v for k, v in foreign.items() if megatron.is_megatron_key(k)}, out)
     for key, value in raw.items():
@@ -227,16 +241,27 @@ def _map_fp16(value: Any, out: Imported, raw: dict[str, Any]) -> None:
         return
     if value.get("enabled") is True:
         out.set("train.precision", "fp16", "fp16.enabled")
+    lax = out.release is not None and out.release.pydantic_precision
     for name in ("initial_scale_power", "loss_scale_window", "hysteresis"):
         if name in value and value[name] != AUTO:
-            n = as_int(value[name], f"fp16.{name}", out.findings, minimum=0)
+            n = _section_number(value[name], f"fp16.{name}", out, "int", lax)
             if n is not None:
                 out.set(f"train.loss_scale.{name}", n, f"fp16.{name}")
     for name in ("loss_scale", "min_loss_scale"):
         if name in value and value[name] != AUTO:
-            x = as_float(value[name], f"fp16.{name}", out.findings)
+            x = _section_number(value[name], f"fp16.{name}", out, "float", lax)
             if x is not None:
                 out.set(f"train.loss_scale.{name}", x, f"fp16.{name}")
+
+
+def _section_number(value: Any, key: str, out: Imported, kind: str, lax: bool) -> Any:
+    """A number of a pydantic section: a string is coerced as DeepSpeed coerces it, or left to
+    ds_engine's finding on it (one finding per key)."""
+    if isinstance(value, str) and lax:
+        return lax_value(value, kind)
+    if kind == "int":
+        return as_int(value, key, out.findings, minimum=0)
+    return as_float(value, key, out.findings)
 
 
 def _map_bf16(value: Any, out: Imported, raw: dict[str, Any]) -> None:
@@ -250,7 +275,11 @@ def _map_zero(value: Any, out: Imported, raw: dict[str, Any]) -> None:
     if not isinstance(value, dict):
         return
     stage = value.get("stage", 0)
-    stage = as_int(stage, "zero_optimization.stage", out.findings) if stage != AUTO else None
+    stage = (
+        _section_number(stage, "zero_optimization.stage", out, "int", lax=True)
+        if stage != AUTO
+        else None
+    )
     if stage is not None and stage > 3:
         out.findings.append(error("zero_optimization.stage", f"stage {stage} does not exist (0-3)"))
         stage = None
@@ -363,13 +392,29 @@ def _batch_findings(raw: dict[str, Any], out: Imported) -> None:
     batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu")
     megatron_batch = ("micro_batch_size", "global_batch_size")
     if not any(k in raw for k in batch_keys + megatron_batch):
+        # runtime/config.py, _set_batch_related_parameters: `assert False, 'Either
+        # train_batch_size or train_micro_batch_size_per_gpu needs to be provided'`. Current
+        # transformers (`fill_match`) and Accelerate fill only keys written "auto"; PyTorch
+        # Lightning's DeepSpeedStrategy (and the HF Trainer of 2021) add an absent micro batch.
+        # A file with "auto" values is one for the HF Trainer / Accelerate: an error; otherwise
+        # the launcher decides: a warning that says which ones fill it.
+        hf = uses_auto(raw)
+        what = error if hf else warning
         out.findings.append(
-            warning(
+            what(
                 "train_batch_size",
                 "neither train_batch_size nor train_micro_batch_size_per_gpu is set: DeepSpeed "
-                "refuses to start unless a launcher (the HF Trainer) fills them in",
-                'set "train_micro_batch_size_per_gpu" (and "train_batch_size"), or "auto" for '
-                "both when launching through the HF Trainer",
+                "refuses to start (`Either train_batch_size or train_micro_batch_size_per_gpu "
+                "needs to be provided`); "
+                + (
+                    "this file's `auto` values are for the HF Trainer / Accelerate, which fill "
+                    "only keys written `auto`"
+                    if hf
+                    else "only a launcher that adds the micro batch (PyTorch Lightning) runs it; "
+                    "current HF Trainer and Accelerate fill only keys written `auto`"
+                ),
+                '"train_micro_batch_size_per_gpu": "auto" and "train_batch_size": "auto" for the '
+                "HF Trainer / Accelerate, numbers otherwise",
             )
         )
     if raw.get("train_batch_size") == AUTO and "gradient_accumulation_steps" not in raw:

@@ -9,8 +9,9 @@ when it fails instead of guessing.
 
 from typing import Any
 
+from dstrain.config.ds_keys import DS_REMOVED_TOP_LEVEL, DS_REMOVED_ZERO, Release
 from dstrain.config.findings import Finding, error, info, warning
-from dstrain.config.imported import AUTO
+from dstrain.config.imported import AUTO, LAX_BOOL_WORDS, lax_value
 
 ONE_BIT = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
 _FALSE_WORDS = ("false", "0", "no", "off")
@@ -28,11 +29,15 @@ _SCALAR_SWITCHES = (
 )
 
 
-def engine_rules(raw: dict[str, Any]) -> list[Finding]:
+def engine_rules(raw: dict[str, Any], rel: Release) -> list[Finding]:
     zero = raw.get("zero_optimization")
     zero = zero if isinstance(zero, dict) else {}
     return [
-        *_string_switches(raw),
+        *_string_switches(raw, rel),
+        *_typed_strings(raw, rel),
+        *_removed_features(raw, zero, rel),
+        *_offload_devices(zero),
+        *_lamb_with_a_static_loss_scale(raw),
         *_one_bit_with_zero(raw, zero),
         *_zero_with_pipeline(raw, zero),
         *_offload_with_a_client_optimizer(raw, zero),
@@ -55,13 +60,32 @@ def deepspeed_true(value: Any) -> bool:
     return bool(value)
 
 
-def _string_switches(raw: dict[str, Any]) -> list[Finding]:
+def _string_switches(raw: dict[str, Any], rel: Release) -> list[Finding]:
     found = [_string_switch(key, raw.get(key), dict_get=True) for key in _SCALAR_SWITCHES]
     for section in ("fp16", "bf16"):
         node = raw.get(section)
         if isinstance(node, dict):
-            found.append(_string_switch(f"{section}.enabled", node.get("enabled"), dict_get=False))
+            value = node.get("enabled")
+            if rel.pydantic_precision:  # a pydantic bool: `_typed_strings` judges it
+                found.append(_lax_switch(f"{section}.enabled", value))
+            else:
+                found.append(_string_switch(f"{section}.enabled", value, dict_get=False))
     return [f for f in found if f is not None]
+
+
+def _lax_switch(key: str, value: Any) -> Finding | None:
+    # DeepSpeedFP16Config / DeepSpeedBF16Config.enabled is a pydantic bool in lax mode: "false",
+    # "no", "off", "0" are false, so DeepSpeed reads the switch right; the HF Trainer's
+    # `fill_match` compares the string with its own boolean and refuses the mismatch.
+    if not isinstance(value, str) or value == AUTO or value.strip().lower() not in LAX_BOOL_WORDS:
+        return None
+    return warning(
+        key,
+        f'`{key}` is the string "{value}", not a JSON boolean: DeepSpeed (pydantic) reads it as '
+        "a boolean, but the HF Trainer's check compares it with its own boolean and refuses "
+        "the mismatch",
+        'write true or false without quotes, or "auto"',
+    )
 
 
 def _string_switch(key: str, value: Any, dict_get: bool) -> Finding | None:
@@ -273,3 +297,168 @@ def _leaves(node: Any) -> list[Any]:
     if isinstance(node, dict):
         return [leaf for v in node.values() for leaf in _leaves(v)]
     return [node]
+
+
+# Fields of DeepSpeed's pydantic sections (runtime/zero/config.py, zero/offload_config.py,
+# precision_config.py) by type. Pydantic's lax mode turns "2" into 2 and "false" into False, and
+# refuses "5e8" for an int and "maybe" for a bool.
+_INT_FIELDS = {
+    "zero_optimization": (
+        "stage", "reduce_bucket_size", "allgather_bucket_size", "sub_group_size",
+        "prefetch_bucket_size", "stage3_prefetch_bucket_size", "param_persistence_threshold",
+        "stage3_param_persistence_threshold", "model_persistence_threshold",
+        "stage3_model_persistence_threshold", "max_live_parameters", "stage3_max_live_parameters",
+        "max_reuse_distance", "stage3_max_reuse_distance", "zero_hpz_partition_size",
+    ),
+    "zero_optimization.offload_param": ("buffer_count", "buffer_size", "max_in_cpu"),
+    "zero_optimization.offload_optimizer": ("buffer_count",),
+    "fp16": ("initial_scale_power", "loss_scale_window", "hysteresis"),
+}  # fmt: skip
+_FLOAT_FIELDS = {
+    "fp16": ("loss_scale", "min_loss_scale"),
+    "zero_optimization.offload_optimizer": ("ratio",),
+}
+_BOOL_FIELDS = {
+    "zero_optimization": (
+        "contiguous_gradients", "reduce_scatter", "allgather_partitions", "overlap_comm",
+        "load_from_fp32_weights", "elastic_checkpoint", "round_robin_gradients",
+        "ignore_unused_parameters", "zero_quantized_weights", "zero_quantized_gradients",
+        "zero_quantized_nontrainable_weights", "gather_16bit_weights_on_model_save",
+        "stage3_gather_16bit_weights_on_model_save", "use_multi_rank_bucket_allreduce",
+        "memory_efficient_linear",
+    ),
+    "zero_optimization.offload_param": ("pin_memory",),
+    "zero_optimization.offload_optimizer": ("pin_memory", "pipeline_read", "pipeline_write"),
+    "fp16": ("auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"),
+    "bf16": ("immediate_grad_update", "check_grad_overflow"),
+}  # fmt: skip
+_PRECISION = ("fp16", "bf16")
+
+
+def _typed_strings(raw: dict[str, Any], rel: Release) -> list[Finding]:
+    """A number or switch written as a string inside a pydantic section: coerced by DeepSpeed
+    when pydantic's lax mode can read it (a warning), refused when it cannot (an error)."""
+    found = []
+    for kind, table in (("int", _INT_FIELDS), ("float", _FLOAT_FIELDS), ("bool", _BOOL_FIELDS)):
+        for section, names in table.items():
+            if section in _PRECISION and not rel.pydantic_precision:
+                continue  # read with dict.get before 0.17.3: deepspeed.py's mappers judge them
+            node = _node(raw, section)
+            for name in names:
+                value = node.get(name)
+                if isinstance(value, str) and value != AUTO:
+                    found.append(_typed_string(f"{section}.{name}", value, kind))
+    return found
+
+
+def _typed_string(key: str, value: str, kind: str) -> Finding:
+    what = {"int": "a whole number", "float": "a number", "bool": "true or false"}[kind]
+    if lax_value(value, kind) is None:
+        return error(
+            key,
+            f'`{key}` is the string "{value}", which DeepSpeed\'s config (pydantic) cannot read '
+            f"as {what}: it refuses the config",
+            f"write {what} without quotes",
+        )
+    return warning(
+        key,
+        f'`{key}` is the string "{value}": DeepSpeed (pydantic) coerces it to {what}, but other '
+        "tools reading the file may not",
+        f"write {what} without quotes",
+    )
+
+
+def _node(raw: dict[str, Any], dotted: str) -> dict[str, Any]:
+    node: Any = raw
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else {}
+
+
+def _removed_features(raw: dict[str, Any], zero: dict[str, Any], rel: Release) -> list[Finding]:
+    # runtime/config.py (0.19+), _reject_removed_config_keys: a DeepSpeedConfigError naming the
+    # removed feature (issue #8489); engine.py: the 1-bit optimizers left DEEPSPEED_OPTIMIZERS,
+    # so `_is_supported_optimizer` fails ("OneBitAdam is not a supported DeepSpeed Optimizer").
+    if not rel.removed_features:
+        return []
+    keys = [k for k in raw if k in DS_REMOVED_TOP_LEVEL]
+    keys += [f"zero_optimization.{k}" for k in zero if k in DS_REMOVED_ZERO]
+    found = [
+        error(
+            key,
+            f"`{key}` is a feature DeepSpeed {rel.name} removed: its config loader refuses the "
+            "file (DeepSpeedConfigError, DeepSpeed issue #8489)",
+            "remove the section (fp16/bf16/torch_autocast replace apex `amp`; "
+            "data_efficiency.data_sampling.curriculum_learning replaces curriculum_learning), "
+            f"or judge by the release you run: {_RELEASE_HINT}",
+        )
+        for key in keys
+    ]
+    optimizer = raw.get("optimizer")
+    kind = str(optimizer.get("type", "")) if isinstance(optimizer, dict) else ""
+    if kind.lower() in ONE_BIT:
+        found.append(
+            error(
+                "optimizer.type",
+                f"DeepSpeed {rel.name} has no {kind}: the 1-bit optimizers were removed, so "
+                f"deepspeed.initialize asserts `{kind} is not a supported DeepSpeed Optimizer`",
+                f"use Adam/AdamW, or judge by the release you run: {_RELEASE_HINT}",
+            )
+        )
+    return found
+
+
+_RELEASE_HINT = "DSTRAIN_DEEPSPEED_RELEASE=0.18.9 dstrain check ..."
+_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+def _offload_devices(zero: dict[str, Any]) -> list[Finding]:
+    # runtime/zero/offload_config.py, OffloadDeviceEnum: "none", "cpu" or "nvme", case and all;
+    # ZeRO-3 asserts `"nvme_path" in DeepSpeed Config cannot be None if remote device is nvme`
+    # (zero/partition_parameters.py) and joins the optimizer's nvme_path (zero/stage3.py).
+    found = []
+    for name in ("offload_param", "offload_optimizer"):
+        node = zero.get(name)
+        if not isinstance(node, dict) or "device" not in node:
+            continue
+        device, key = node["device"], f"zero_optimization.{name}.device"
+        if device not in _OFFLOAD_DEVICES:
+            found.append(
+                error(
+                    key,
+                    f"offload device {device!r} does not exist: DeepSpeed accepts only "
+                    '"none", "cpu" or "nvme" (lower case) and refuses the config',
+                    'write "cpu" (or "nvme" with an nvme_path)',
+                )
+            )
+        elif device == "nvme" and not node.get("nvme_path") and zero.get("stage") in (3, "3"):
+            found.append(
+                error(
+                    f"zero_optimization.{name}.nvme_path",
+                    f"{name} on nvme without an nvme_path: ZeRO-3 stops at start-up "
+                    '(`"nvme_path" in DeepSpeed Config cannot be None if remote device is nvme`)',
+                    'add "nvme_path": "/local_nvme" (a fast local disk), or use "device": "cpu"',
+                )
+            )
+    return found
+
+
+def _lamb_with_a_static_loss_scale(raw: dict[str, Any]) -> list[Finding]:
+    # runtime/engine.py, _do_sanity_check: `if self.optimizer_name() == LAMB_OPTIMIZER: assert
+    # self.dynamic_loss_scale(), "DeepSpeed lamb optimizer requires dynamic loss scaling"`, where
+    # dynamic_loss_scale() is `fp16.loss_scale == 0`, read whether fp16 is on or not.
+    optimizer, fp16 = raw.get("optimizer"), raw.get("fp16")
+    kind = str(optimizer.get("type", "")).lower() if isinstance(optimizer, dict) else ""
+    scale = fp16.get("loss_scale", 0) if isinstance(fp16, dict) else 0
+    number = lax_value(scale, "float") if isinstance(scale, str) else scale
+    if kind != "lamb" or not isinstance(number, int | float) or number == 0:
+        return []
+    return [
+        error(
+            "fp16.loss_scale",
+            f"LAMB with a static loss scale ({scale}): deepspeed.initialize asserts `DeepSpeed "
+            "lamb optimizer requires dynamic loss scaling` (it reads fp16.loss_scale even with "
+            "fp16 off)",
+            'set "loss_scale": 0 (dynamic), or remove it',
+        )
+    ]

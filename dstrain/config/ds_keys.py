@@ -42,6 +42,12 @@ Notes:
     verbatim as torch.optim.<type> (so "SGD", not "sgd", at run time).
 """
 
+import os
+import re
+from dataclasses import dataclass
+
+from dstrain.errors import UserError
+
 # fmt: off
 
 # Every top-level key DeepSpeed's config accepts (DeepSpeedConfig and the section parsers).
@@ -590,3 +596,62 @@ MEGATRON_ARGS: frozenset[str] = frozenset({
 })
 
 # fmt: on
+
+
+# The DeepSpeed release whose rules the offline checks model, where releases differ. Read from the
+# released sdists: precision_config.py (DeepSpeedFP16Config / DeepSpeedBF16Config, pydantic,
+# extra="forbid", lax bool/int coercion) first ships in 0.17.3 (0.17.0 and 0.16.9 read fp16/bf16
+# with get_scalar_param, a plain dict.get); runtime/config.py's _REMOVED_TOP_LEVEL_CONFIG_KEYS
+# and DEEPSPEED_OPTIMIZERS without the 1-bit optimizers first ship in 0.19 (issue #8489).
+NEWEST_RELEASE = "0.19.8"
+RELEASE_ENV = "DSTRAIN_DEEPSPEED_RELEASE"  # an older release to judge by, e.g. 0.16.9
+
+
+@dataclass(frozen=True)
+class Release:
+    """The rules of one DeepSpeed release, where they differ from others."""
+
+    name: str
+    pydantic_precision: bool  # fp16/bf16: "false" is false, unknown keys refused (0.17.3+)
+    removed_features: bool  # amp, elasticity, OneBitAdam, ... refused (0.19+)
+
+
+def release(name: str | None = None) -> Release:
+    """`name` (None: $DSTRAIN_DEEPSPEED_RELEASE, else the newest release) as a rule set."""
+    name = (name or os.environ.get(RELEASE_ENV) or NEWEST_RELEASE).strip().lstrip("v")
+    match = re.fullmatch(r"(\d+)\.(\d+)(?:\.(\d+))?\S*", name)
+    if match is None:
+        raise UserError(
+            f"DeepSpeed release {name!r} (--deepspeed-release or ${RELEASE_ENV}) is not a "
+            "version number",
+            f"give a release such as {NEWEST_RELEASE}, 0.18.9 or 0.16.9",
+            exit_code=2,
+        )
+    version = tuple(int(part or 0) for part in match.groups())
+    return Release(name, version >= (0, 17, 3), version >= (0, 19, 0))
+
+
+# Top-level keys (and zero_optimization keys) 0.19 refuses with a DeepSpeedConfigError naming the
+# removed feature (runtime/config.py, _reject_removed_config_keys).
+DS_REMOVED_TOP_LEVEL: frozenset[str] = frozenset(
+    {
+        "nebula",
+        "compression_training",
+        "amp",
+        "quantize_training",
+        "sparse_gradients",
+        "eigenvalue",
+        "sparse_attention",
+        "elasticity",
+        "graph_harvesting",
+        "curriculum_learning",
+        "progressive_layer_drop",
+    }
+)
+DS_REMOVED_ZERO: frozenset[str] = frozenset(
+    {
+        "mics_shard_size",
+        "mics_hierarchical_params_gather",
+        "zeropp_loco_param",
+    }
+)

@@ -2,6 +2,8 @@
 (with the closest valid key), deprecated spellings, optimizer/scheduler params per type, and the
 combinations DeepSpeed's engine refuses at start-up."""
 
+import json
+import re
 from typing import Any
 
 from dstrain.config import megatron
@@ -14,11 +16,16 @@ from dstrain.config.ds_keys import (
     DS_SCHEDULER_PARAMS,
     DS_SECTION_KEYS,
     DS_TOP_LEVEL,
+    Release,
 )
 from dstrain.config.findings import Finding, error, info, warning
 from dstrain.config.suggest import closest
 
 REJECTED_OPTIMIZER_PARAMS = DS_REJECTED_OPTIMIZER_PARAMS
+HINT = (
+    "judge by another release with DSTRAIN_DEEPSPEED_RELEASE=0.18.9 (or 0.16.9): the rules "
+    "differ for removed features, 1-bit optimizers and the fp16/bf16 sections"
+)
 
 # What importing a DeepSpeed/Megatron file checks, for `dstrain check --rules`.
 IMPORT_RULES = (
@@ -104,17 +111,18 @@ def top_level_keys() -> frozenset[str]:
     return DS_TOP_LEVEL
 
 
-def lint(raw: dict[str, Any]) -> list[Finding]:
+def lint(raw: dict[str, Any], rel: Release) -> list[Finding]:
     findings: list[Finding] = []
     for key in raw:
         findings.extend(_top_level_key(key))
+    lenient = {} if rel.pydantic_precision else _LENIENT_SECTIONS
     for section in sorted(DS_SECTION_KEYS, key=len):
         node = _lookup(raw, section)
         if isinstance(node, dict) and section not in ("optimizer", "scheduler"):
-            findings.extend(_section_keys(section, node))
+            findings.extend(_section_keys(section, node, lenient))
     findings.extend(_optimizer(raw.get("optimizer")))
     findings.extend(_scheduler(raw.get("scheduler")))
-    findings.extend(engine_rules(raw))
+    findings.extend(engine_rules(raw, rel))
     return findings
 
 
@@ -150,7 +158,7 @@ def _top_level_key(key: str) -> list[Finding]:
     ]
 
 
-def _section_keys(section: str, node: dict[str, Any]) -> list[Finding]:
+def _section_keys(section: str, node: dict[str, Any], lenient: dict[str, str]) -> list[Finding]:
     if section in DS_OPAQUE_SECTIONS:
         return []
     valid = DS_SECTION_KEYS[section]
@@ -161,20 +169,21 @@ def _section_keys(section: str, node: dict[str, Any]) -> list[Finding]:
             continue
         if dotted in DS_DEPRECATED:
             findings.append(_deprecated(dotted))
-        elif section in _LENIENT_SECTIONS:
+        elif section in lenient:
             found = _unknown(dotted, key, f"`{section}`", valid)
-            message = f"{found.message}; {_LENIENT_SECTIONS[section]}"
+            message = f"{found.message}; {lenient[section]}"
             findings.append(warning(found.key, message, found.fix))
         else:
             findings.append(_unknown(dotted, key, f"`{section}`", valid))
     return findings
 
 
-# Sections whose unknown keys depend on the DeepSpeed release: a warning that says which.
+# Sections a release before 0.17.3 read with dict.get, ignoring unknown keys (as apex-era configs
+# with opt_level relied on); DeepSpeedFP16Config / DeepSpeedBF16Config (precision_config.py,
+# pydantic with extra=forbid) refuse them from 0.17.3 on.
 _LENIENT_SECTIONS = {
-    "fp16": "DeepSpeed read `fp16` with dict.get (ignoring such keys, as apex-era configs with "
-    "opt_level relied on) until DeepSpeedFP16Config (deepspeed/runtime/precision_config.py, "
-    "pydantic with extra=forbid), which refuses them",
+    section: f"this release reads `{section}` with dict.get and ignores it (0.17.3+ refuse it)"
+    for section in ("fp16", "bf16")
 }
 
 
@@ -304,3 +313,86 @@ def _lookup(raw: dict[str, Any], dotted: str) -> Any:
             return None
         node = node.get(part)
     return node
+
+
+# ----------------------------------------------------------------------------- the file's text
+# DeepSpeed reads a --deepspeed_config file with hjson (runtime/config.py, DeepSpeedConfig:
+# `hjson.load(..., object_pairs_hook=dict_raise_error_on_duplicate_keys)`): comments, trailing
+# commas and a newline in place of a comma are accepted, a duplicate key is refused. The HF
+# Trainer and Accelerate read the file with json.load instead, which refuses the former and
+# keeps the last of duplicates.
+_TOKEN = re.compile(
+    r'"(?:[^"\\]|\\.)*"|//[^\n]*|#[^\n]*|/\*.*?\*/|\n|[{}\[\],:]|[^\s"/#{}\[\],:]+|\S', re.S
+)
+
+
+def read_hjson(text: str) -> tuple[dict[str, Any] | None, list[Finding]]:
+    """The file as DeepSpeed's loader reads it: (None, []) when it is not JSON-like at all, or
+    (the dict, findings on what plain JSON would refuse, duplicates included)."""
+    out, used, line = [], set(), 1
+    for match in _TOKEN.finditer(text):
+        token = match.group()
+        if token.startswith(("//", "#", "/*")):
+            used.add(f"a comment (line {line})")
+            line += token.count("\n")
+            continue
+        if token == "\n":
+            line += 1
+            if out and _ends_value(out[-1]):
+                out.append("\n")  # maybe a comma hjson infers; decided at the next token
+            continue
+        if token in "}]" and out and out[-1] == "\n":
+            out.pop()
+        if token in "}]" and out and out[-1] == ",":
+            used.add(f"a trailing comma (line {line})")
+            out.pop()
+        if out and out[-1] == "\n":
+            out[-1] = ","
+            if token not in (",", ":"):
+                used.add(f"a missing comma at the end of line {line - 1}")
+            else:
+                out.pop()
+        out.append(token)
+    return _load_pairs("".join(t for t in out if t != "\n"), sorted(used))
+
+
+def _ends_value(token: str) -> bool:
+    return token[-1] in '"}]' or token[-1].isalnum() or token[-1] == "."
+
+
+def _load_pairs(text: str, used: list[str]) -> tuple[dict[str, Any] | None, list[Finding]]:
+    duplicates: list[str] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in items]
+        duplicates.extend(sorted({k for k in keys if keys.count(k) > 1}))
+        return dict(items)
+
+    try:
+        data = json.loads(text, object_pairs_hook=pairs)
+    except json.JSONDecodeError:
+        return None, []
+    if not isinstance(data, dict):
+        return None, []
+    findings = []
+    if used:
+        findings.append(
+            warning(
+                "(file)",
+                f"not plain JSON: {', '.join(used)}. DeepSpeed's own loader reads the file with "
+                "hjson and accepts it (through --deepspeed_config), but json.load refuses it, "
+                "and that is how the HF Trainer and Accelerate read a config file",
+                "write plain JSON: no comments, no trailing commas, a comma after every entry",
+            )
+        )
+    if duplicates:
+        findings.append(
+            error(
+                duplicates[0],
+                f"duplicate key(s) {', '.join(f'`{k}`' for k in duplicates)}: DeepSpeed refuses "
+                "the file (`Duplicate keys in DeepSpeed config`); json.load (the HF Trainer) "
+                "silently keeps the last one",
+                "keep one entry per key",
+            )
+        )
+    return data, findings

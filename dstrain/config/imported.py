@@ -1,5 +1,6 @@
 """What an import (DeepSpeed JSON, Megatron keys) produces, and the value coercions it shares."""
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -7,6 +8,12 @@ from dstrain.config.findings import Finding, error
 from dstrain.config.overrides import set_path
 
 AUTO = "auto"
+# The strings pydantic's lax mode reads as a bool (pydantic-core's bool parser).
+LAX_BOOL_WORDS = {
+    "0": False, "off": False, "f": False, "false": False, "n": False, "no": False,
+    "1": True, "on": True, "t": True, "true": True, "y": True, "yes": True,
+}  # fmt: skip
+_INT_TEXT = re.compile(r"\s*[+-]?\d+(\.0*)?\s*")  # "8" and "8.0", not "5e8"
 
 
 @dataclass
@@ -29,6 +36,7 @@ class Imported:
     # The engine whose semantics the file is judged by first: DeepSpeed, Megatron-LM or
     # Megatron-DeepSpeed (the launch script's program and flags say which).
     engine: str = "DeepSpeed"
+    release: Any = None  # the DeepSpeed release (ds_keys.Release) a DeepSpeed file is judged by
 
     def set(self, dotted: str, value: Any, source: str | None = None) -> None:
         self.origins[dotted] = source or self.current
@@ -58,3 +66,16 @@ def as_bool(value: Any, key: str, findings: list[Finding]) -> bool | None:
         return value
     findings.append(error(key, f"expected true or false, got {value!r}", "write true or false"))
     return None
+
+
+def lax_value(text: str, kind: str) -> int | float | bool | None:
+    """`text` as pydantic's lax mode reads it into an int, float or bool field; None when it
+    cannot ("5e8" is no int, "maybe" no bool)."""
+    if kind == "bool":
+        return LAX_BOOL_WORDS.get(text.strip().lower())
+    if kind == "int":
+        return int(float(text)) if _INT_TEXT.fullmatch(text) else None
+    try:
+        return float(text)
+    except ValueError:
+        return None

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from dstrain.config import megatron
 from dstrain.config.deepspeed import from_deepspeed
 from dstrain.config.ds_keys import DS_TOP_LEVEL
+from dstrain.config.ds_lint import read_hjson
 from dstrain.config.findings import Finding
 from dstrain.config.imported import Imported
 from dstrain.config.io import dump_toml, parse_config_text, read_text
@@ -17,6 +18,7 @@ from dstrain.config.launch_script import import_launch_script, looks_like_script
 from dstrain.config.overrides import apply_overrides, parse_override
 from dstrain.config.schema import SECTION_NAMES, DstrainConfig
 from dstrain.config.validate import build_config
+from dstrain.errors import UserError
 
 Source = Literal["defaults", "dstrain", "deepspeed", "script"]
 
@@ -36,12 +38,15 @@ class LoadedConfig:
 
 def detect_source(raw: dict[str, Any]) -> Source:
     """dstrain's own file has section tables; a DeepSpeed/Megatron file has their flat keys
-    (Megatron's `lr = 3e-4` is a number, where dstrain's `lr` is a table)."""
+    (Megatron's `lr = 3e-4` is a number, where dstrain's `lr` is a table). A table both name
+    (DeepSpeed's `checkpoint` section) decides nothing: a key only DeepSpeed has decides."""
     if not raw:
         return "dstrain"
-    if any(k in SECTION_NAMES and isinstance(v, dict) for k, v in raw.items()):
+    ours = {k for k, v in raw.items() if k in SECTION_NAMES and isinstance(v, dict)}
+    foreign = {k for k in raw if k in DS_TOP_LEVEL or megatron.is_megatron_key(k)}
+    if ours - foreign:
         return "dstrain"
-    if any(k in DS_TOP_LEVEL or megatron.is_megatron_key(k) for k in raw):
+    if foreign - ours:
         return "deepspeed"
     return "dstrain"
 
@@ -73,10 +78,17 @@ def _read(path: Path | None) -> tuple[Source, Imported]:
     text = read_text(path)
     if looks_like_script(path.suffix, text):
         return "script", import_launch_script(text)
-    data = parse_config_text(text, path)
+    try:
+        data = parse_config_text(text, path)
+    except UserError:
+        # DeepSpeed reads its file with hjson (comments, trailing commas): so does check.
+        data = read_hjson(text)[0]
+        if data is None or detect_source(data) != "deepspeed":
+            raise
     source = detect_source(data)
     if source == "deepspeed":
-        return source, from_deepspeed(data)
+        json_text = text if text.lstrip().startswith("{") else None
+        return source, from_deepspeed(data, text=json_text)
     return source, Imported(data=data, model_given=True)
 
 

@@ -134,7 +134,8 @@ def test_wrong_types_are_reported_per_key_and_defaults_fill_in(tmp_path):
 @pytest.mark.parametrize(
     ("name", "text", "line"),
     [
-        ("bad.json", '{\n  "train_batch_size": 8\n  "steps_per_print": 1\n}\n', 3),
+        # a missing comma mid-line (one at a line's end DeepSpeed's hjson reader accepts)
+        ("bad.json", '{"train_batch_size": 8 "steps_per_print": 1}\n', 1),
         ("bad.toml", "[train]\nsteps = = 3\n", 2),
         ("bad.yaml", "train:\n  steps: 3\n   seq_len: [\n", 3),
     ],

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from dstrain.config.ds_keys import RELEASE_ENV
+from dstrain.config.ds_verdict import ENGINE_ENV
 from dstrain.config.load import load_config
 from dstrain.config.preflight import preflight
 from tests.fixture_index import load_samples, sample_params
@@ -22,6 +24,18 @@ FIXTURES, SAMPLES = load_samples("deepspeed")
 # Samples dstrain judges wrongly today (check_before in index.yaml says how). They stay in the
 # general tests below, marked strict, so the fix that makes them pass has to remove the mark.
 MISJUDGED: dict[str, str] = {}
+
+
+@pytest.fixture(autouse=True)
+def _offline_rules(monkeypatch):
+    """The offline rules judge here (the installed DeepSpeed, if any, judges in
+    test_deepspeed_differential.py)."""
+    monkeypatch.setenv(ENGINE_ENV, "0")
+
+
+def _release(sample: dict, monkeypatch) -> None:
+    if sample.get("deepspeed_release"):
+        monkeypatch.setenv(RELEASE_ENV, str(sample["deepspeed_release"]))
 
 
 def _samples(kind: str) -> list:
@@ -73,8 +87,13 @@ def test_misjudged_list_matches_check_before():
 
 
 @pytest.mark.parametrize("name", _samples("valid"))
-def test_valid_sample_checks_clean_and_converts(name, cli, tmp_path):
+def test_valid_sample_checks_clean_and_converts(name, cli, tmp_path, monkeypatch):
     sample = SAMPLES[name]
+    # A sample from an older DeepSpeed is judged by that release's rules, offline: the
+    # installed DeepSpeed (if any) is another release.
+    monkeypatch.setenv(ENGINE_ENV, "0")
+    if sample.get("deepspeed_release"):
+        monkeypatch.setenv(RELEASE_ENV, str(sample["deepspeed_release"]))
     result = cli(*_check_args(sample))
     assert "traceback" not in result.text.lower(), result.text
     assert result.code == sample["expect"]["exit"] == 0, result.text
@@ -85,8 +104,9 @@ def test_valid_sample_checks_clean_and_converts(name, cli, tmp_path):
 
 
 @pytest.mark.parametrize("name", _samples("broken"))
-def test_broken_sample_is_caught(name, cli):
+def test_broken_sample_is_caught(name, cli, monkeypatch):
     sample = SAMPLES[name]
+    _release(sample, monkeypatch)
     result = cli(*_check_args(sample))
     text = result.text.lower()
     assert "traceback" not in text, result.text
@@ -95,7 +115,8 @@ def test_broken_sample_is_caught(name, cli):
 
 
 @pytest.mark.parametrize("name", _samples("broken"))
-def test_convert_refuses_to_write_a_broken_sample(name, cli, tmp_path):
+def test_convert_refuses_to_write_a_broken_sample(name, cli, tmp_path, monkeypatch):
+    _release(SAMPLES[name], monkeypatch)
     if not SAMPLES[name]["expect"].get("visible_in_file", True):
         pytest.skip("the mistake is outside the file (a note, not an error): convert writes it")
     out = tmp_path / "run.toml"
@@ -279,10 +300,31 @@ def test_convert_refuses_to_write_on_a_misspelt_key(cli, tmp_path):
 
 def test_invalid_json_names_the_line(cli, tmp_path):
     path = tmp_path / "ds_config.json"
-    path.write_text('{\n  "train_batch_size": 8,\n  "fp16": {"enabled": true}\n  "x": 1\n}\n')
+    path.write_text('{\n  "train_batch_size": 8,\n  "fp16": {"enabled": true} "x": 1\n}\n')
     result = cli("check", path)
     assert result.code == 2
-    assert "line 4" in result.text and "traceback" not in result.text.lower()
+    assert "line 3" in result.text and "traceback" not in result.text.lower()
+
+
+def test_what_deepspeeds_hjson_loader_accepts_is_a_warning(cli, tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(
+        '{\n  // comment\n  "train_batch_size": 8,\n  "fp16": {"enabled": true,}\n'
+        '  "steps_per_print": 10\n}\n'
+    )
+    result = cli("check", path, "--json")
+    assert result.code == 0, result.text
+    found = {f["key"]: f for f in result.json()}
+    assert "missing comma at the end of line 4" in found["(file)"]["message"]
+    assert "comment (line 2)" in found["(file)"]["message"]
+
+
+def test_duplicate_keys_are_refused_as_deepspeed_refuses_them(cli, tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text('{"train_batch_size": 8, "train_batch_size": 16}')
+    result = cli("check", path, "--json")
+    assert result.code == 1
+    assert "Duplicate keys" in {f["key"]: f for f in result.json()}["train_batch_size"]["message"]
 
 
 def test_batch_arithmetic_that_does_not_divide(cli, tmp_path):
