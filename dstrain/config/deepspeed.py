@@ -105,15 +105,45 @@ def _map_clipping(value: Any, out: Imported, raw: dict[str, Any]) -> None:
             info("gradient_clipping", "`auto`: dstrain's default grad_clip applies")
         )
         return
+    if _number_as_text(
+        value,
+        "gradient_clipping",
+        "compares it with 0.0 at the first optimizer step (runtime/engine.py, _take_model_step)",
+        out,
+    ):
+        return
     number = as_float(value, "gradient_clipping", out.findings)
     if number is not None:
         out.set("train.grad_clip", number)
 
 
 def _map_steps_per_print(value: Any, out: Imported, raw: dict[str, Any]) -> None:
+    if _number_as_text(
+        value,
+        "steps_per_print",
+        "takes global_steps modulo it at the first step (runtime/engine.py)",
+        out,
+    ):
+        return
     number = as_int(value, "steps_per_print", out.findings, minimum=1)
     if number is not None:
         out.set("metrics.log_interval", number)
+
+
+def _number_as_text(value: Any, key: str, where: str, out: Imported) -> bool:
+    """A number written as a string in a key DeepSpeed reads with a plain `dict.get`: its loader
+    and `deepspeed.initialize` accept the file, and the engine fails on it later (TypeError)."""
+    if not isinstance(value, str) or lax_value(value, "float") is None:
+        return False
+    out.findings.append(
+        error(
+            key,
+            f"{value!r} is a string: DeepSpeed's loader keeps it as one, and its engine {where}: "
+            "a TypeError once training runs",
+            f"write the number: {lax_value(value, 'float'):g}",
+        )
+    )
+    return True
 
 
 def _map_wall_clock(value: Any, out: Imported, raw: dict[str, Any]) -> None:

@@ -133,3 +133,15 @@ def test_the_cli_picks_the_release_and_refuses_a_bad_one(cli, tmp_path, monkeypa
     bad = cli("check", path, "--deepspeed-release", "latest")
     assert bad.code == 2 and "is not a version number" in bad.err
     assert "Traceback" not in bad.text
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("gradient_clipping", "1.0"), ("steps_per_print", "10")]
+)
+def test_numbers_as_strings_deepspeed_reads_with_dict_get_fail_once_training_runs(
+    tmp_path, key, value
+):
+    # the loader and initialize accept them; the engine compares or divides by them at step 1
+    found = _findings(tmp_path, {**BATCH, key: value})
+    assert [sev for sev, k in found if k == key] == ["error"], found
+    assert "TypeError once training runs" in found["error", key].message
