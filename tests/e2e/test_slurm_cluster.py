@@ -26,6 +26,7 @@ import pytest
 
 from tests.distributed.harness import REPO
 from tests.e2e.test_deploy_cli import deploy_cli
+from tests.e2e.test_multinode_launch import _losses
 from tests.tools import require_tool
 
 pytestmark = pytest.mark.slow
@@ -118,11 +119,6 @@ network = "eth-100"
 """
     )
     return path
-
-
-def _losses(run_dir: Path) -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [row["loss/main"] for row in rows if "loss/main" in row]
 
 
 @pytest.fixture(scope="module")

@@ -35,27 +35,26 @@ def _hadolint() -> str:
     return found
 
 
-@pytest.mark.parametrize("cuda", sorted(docker.CUDA_BUILDS))
-def test_hadolint_finds_nothing(cuda, tmp_path):
-    path = tmp_path / docker.DOCKERFILE
-    path.write_text(rendered(cuda))
-    # Failure threshold `style`: any finding at all, not only errors, fails the test.
-    done = subprocess.run(
+def _hadolint_findings(path: Path) -> subprocess.CompletedProcess:
+    # Failure threshold `style`: any finding at all, not only errors, fails the check.
+    return subprocess.run(
         [_hadolint(), "--no-color", "--failure-threshold", "style", str(path)],
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+@pytest.mark.parametrize("cuda", sorted(docker.CUDA_BUILDS))
+def test_hadolint_finds_nothing(cuda, tmp_path):
+    path = tmp_path / docker.DOCKERFILE
+    path.write_text(rendered(cuda))
+    done = _hadolint_findings(path)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_hadolint_passes_the_golden_file():
-    done = subprocess.run(
-        [_hadolint(), "--no-color", "--failure-threshold", "style", str(GOLDEN)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = _hadolint_findings(GOLDEN)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
