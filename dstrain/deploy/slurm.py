@@ -1,8 +1,6 @@
 """Slurm and bare metal: an sbatch script that starts one torchrun agent per node through srun,
 and launch.sh, the same torchrun command for any machine (ssh, pdsh, a test)."""
 
-import tomllib
-
 from dstrain.deploy.launch import env_defaults, env_exports, launch_defaults, torchrun_command
 from dstrain.deploy.nccl_env import nccl_env
 from dstrain.deploy.spec import CONFIG_NAME, DeploySpec
@@ -31,19 +29,12 @@ exec {torchrun_command()}
 """
 
 
-def cpu_only(spec: DeploySpec) -> bool:
-    """A CPU run (comm.backend gloo, or cluster.gpu `cpu`): it asks Slurm for no GPU, which a
-    cluster without GPU GRES would refuse. `auto` picks NCCL on a GPU node, so it asks."""
-    config = tomllib.loads(spec.config_toml)
-    backend = config.get("comm", {}).get("backend")
-    return backend == "gloo" or str(config.get("cluster", {}).get("gpu")).lower() == "cpu"
-
-
 def render_sbatch(spec: DeploySpec) -> str:
     chosen = (("time", spec.time), ("partition", spec.partition))
     optional = "".join(f"#SBATCH --{key}={value}\n" for key, value in chosen if value)
-    gpus = "" if cpu_only(spec) else f"#SBATCH --gpus-per-node={spec.gpus_per_node}\n"
-    ranks = "CPU rank(s)" if cpu_only(spec) else "rank(s), one per GPU"
+    cpu_only = spec.cpu_only
+    gpus = "" if cpu_only else f"#SBATCH --gpus-per-node={spec.gpus_per_node}\n"
+    ranks = "CPU rank(s)" if cpu_only else "rank(s), one per GPU"
     return f"""#!/bin/bash
 #SBATCH --job-name={spec.job_name}
 #SBATCH --nodes={spec.nodes}

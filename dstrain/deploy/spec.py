@@ -3,6 +3,7 @@ the placement rule that keeps TP/CP/EP groups inside one node."""
 
 import math
 import re
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
@@ -58,6 +59,15 @@ class DeploySpec:
     @property
     def uses_rdma(self) -> bool:
         return self.network_family in ("ib", "roce") and self.rdma_resource != "none"
+
+    @property
+    def cpu_only(self) -> bool:
+        """A CPU run (comm.backend gloo, or cluster.gpu `cpu`), read from the config every node
+        runs: it asks the scheduler for no GPU, which a cluster without GPU GRES would refuse.
+        `auto` picks NCCL on a GPU node, so it asks."""
+        config = tomllib.loads(self.config_toml)
+        backend = config.get("comm", {}).get("backend")
+        return backend == "gloo" or str(config.get("cluster", {}).get("gpu")).lower() == "cpu"
 
 
 def dns_label(text: str) -> str:
