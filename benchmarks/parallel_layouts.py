@@ -24,8 +24,8 @@ Columns:
 - pred: that figure from the one-process P (parameters), G (gradients), O (optimizer states),
   fp32 bytes, split per parameter: a tensor placed Shard on tp (ep) is 1/tp (1/ep) of its
   one-process size; then over the ZeRO shard degree N (dp_shard; for routed experts efsdp, as
-  the README's folding rule says) ZeRO-1 keeps P + P/N + G + O/N (FSDP2's gathered fp32 weights
-  beside their fp32 shards, whole gradients accumulated while the sync is deferred: the
+  docs/parallelism.md's folding rule says) ZeRO-1 keeps P + P/N + G + O/N (FSDP2's gathered
+  fp32 weights beside their fp32 shards, whole gradients accumulated while the sync is deferred: the
   measured micro-step is a first micro-batch of several), ZeRO-2 P + (G + O)/N, ZeRO-3
   (P + G + O)/N. ok: every rank within 10 %.
 

@@ -1,5 +1,9 @@
 """The exception for bad user input: the CLI prints it as one message, never a traceback."""
 
+# `dstrain train`'s exit code when a step ran out of device or host memory (`train/oom.py`):
+# none other uses it (1: wrong input or a failed run, 2: unreadable input, 128 + N: signal N).
+OUT_OF_MEMORY = 3
+
 
 class UserError(Exception):
     """Bad input (config, flag, file, environment). `fix` tells the user what to do instead.

@@ -1,4 +1,4 @@
-"""Inputs for the README's fine-tuning example, made locally with no download:
+"""Inputs for the fine-tuning example of docs/training.md, made locally with no download:
 
 - DIR/model/: a tiny random DeepSeek-V3 checkpoint (transformers' DeepseekV3ForCausalLM, bf16
   safetensors and config.json) with its own tokenizer folder beside the weights (a byte-level BPE

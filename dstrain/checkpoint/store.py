@@ -184,6 +184,19 @@ class CheckpointWriter:
                 raise failure
         return published
 
+    def finish_alone(self, timeout_s: float) -> None:
+        """For a rank that is leaving (it ran out of memory): wait up to `timeout_s` for the save
+        in flight to finish on this rank, with no collective (the other ranks may be blocked in
+        one it will never join). Rank 0 publishes it once every rank's shards are written; a
+        failure or the timeout leaves it unpublished, as any failed save."""
+        if self._pending is None:
+            return
+        try:
+            self._pending.future.exception(timeout=timeout_s)
+        except TimeoutError:
+            return
+        self._reap()
+
     def close(self) -> None:
         """`wait`, then stop the publishing thread. Collective."""
         try:

@@ -5,6 +5,7 @@ torchrun's elastic agent (`torch.distributed.run`), not hand-rolled spawning, ea
 import os
 
 from dstrain.cli.common import console
+from dstrain.errors import OUT_OF_MEMORY
 
 
 def launch_local(
@@ -16,7 +17,8 @@ def launch_local(
     shutdown_s: float = 30.0,
 ) -> int:
     """Run the agent in this process, each worker running `python -m {module} {worker_argv}`;
-    a failed worker ends the job with its rank and error, or,
+    a failed worker ends the job with its rank and error (exit code 1, or 3 when a worker ran
+    out of memory: `train/oom.py`), or,
     with `max_restarts`, restarts the whole group (which resumes from its newest checkpoint).
     On SIGTERM the agent forwards it to the workers and waits `shutdown_s` for them (they save a
     final checkpoint) before SIGKILL."""
@@ -51,5 +53,7 @@ def launch_local(
         err = console(stderr=True)
         for rank, failure in sorted(exc.failures.items()):
             err.print(f"{command}: rank {rank} failed (exit code {failure.exitcode})", markup=False)
-        return 1
+        # A rank that ran out of memory decides the job's code: its advice is the cause.
+        codes = {failure.exitcode for failure in exc.failures.values()}
+        return OUT_OF_MEMORY if OUT_OF_MEMORY in codes else 1
     return 0

@@ -13,6 +13,7 @@ from dstrain.cli.common import print_json
 from dstrain.config.load import to_toml
 from dstrain.config.model_args import ModelArgs
 from dstrain.errors import UserError
+from dstrain.planner.advice import MemoryAdvice, advise
 from dstrain.planner.comm import AXES
 from dstrain.planner.estimate import Estimate, estimate
 from dstrain.planner.layout import Cluster, Layout
@@ -45,13 +46,27 @@ def evaluate_command(
     result.illegal = [f"{f.key}: {f.message}" for f in refusals]
     attach_range(result, model, cluster)
     _emit(args, model, cluster, result)
+    # Over the device by the estimate: the nearest layouts that fit, as dstrain train's
+    # out-of-memory advice gives them (`planner/advice.py`).
+    advice = None if result.fits else _advice(model, cluster, layout, args)
     if args.json:
-        print_json(result.to_json())
+        print_json(result.to_json() | ({"advice": advice.to_json()} if advice else {}))
     else:
         _print_estimate(result, out)
         for reason in result.illegal:
             out.print(f"dstrain train would refuse this layout: {reason}", markup=False)
+        for line in advice.lines() if advice else []:
+            out.print(line, markup=False)
     return 1 if result.memory_verdict == "does not fit" else 0
+
+
+def _advice(
+    model: ModelArgs, cluster: Cluster, layout: Layout, args: argparse.Namespace
+) -> MemoryAdvice:
+    """The advice for `layout`, its flags relative to the config --emit-config writes."""
+    hf = hf_config_path(args.model)
+    config = to_config(layout, cluster, flavor=None if hf else args.model, hf_config=hf)
+    return advise(model, cluster, config, layout)
 
 
 def search_command(

@@ -32,6 +32,15 @@ checkpoint (the steps since it are recomputed). SIGTERM (preemption) saves a fin
 within checkpoint.preemption_deadline_s and exits 0. A NaN/Inf loss or a spike follows the guard
 section (skip, rollback or stop). summary.json reports goodput, restarts and recomputed steps.
 
+Out of memory (device or host) in a step: instead of a traceback, the failing rank prints its
+memory by part (weights, gradients, optimizer, activations, other), the planner's estimate of
+the same layout, and the nearest layouts that fit on the same GPUs as --set flags (also in
+runs/<name>/oom.json), and the run exits 3 (--nproc too); the newest checkpoint stays valid.
+docs/oom.md shows an example.
+
+exit status: 0 done (or preempted), 1 an error (config, data, a failed rank), 2 unreadable
+input, 3 out of memory.
+
 examples:
   dstrain train                                   # debug model, embedded corpus, CPU
   dstrain train --nproc 4 --set parallel.dp_shard=2 --set parallel.ep=2 --set parallel.zero_stage=2

@@ -8,6 +8,7 @@ from dstrain.config.findings import Finding
 from dstrain.config.model_args import ModelArgs
 from dstrain.config.rules import CheckTarget, run_rules
 from dstrain.config.schema import DstrainConfig
+from dstrain.hardware import GPUSpec
 from dstrain.planner.layout import Cluster, Layout
 
 
@@ -33,7 +34,7 @@ def to_config(
                 "pp_overlap": layout.pp_overlap,
                 "offload_optimizer": layout.offload,
                 "pp_schedule": layout.schedule,
-                "num_virtual_stages": _virtual(layout),
+                "num_virtual_stages": virtual_stages(layout),
             },
             "train": {
                 "micro_batch_size": layout.micro_batch,
@@ -53,7 +54,8 @@ def to_config(
     )
 
 
-def _virtual(layout: Layout) -> int:
+def virtual_stages(layout: Layout) -> int:
+    """The config's `parallel.num_virtual_stages` for the layout's schedule."""
     if layout.schedule in ("zbv", "dualpipev"):
         return 2
     return layout.virtual_stages if layout.schedule == "interleaved-1f1b" else 1
@@ -62,5 +64,13 @@ def _virtual(layout: Layout) -> int:
 def trainer_errors(args: ModelArgs, layout: Layout, cluster: Cluster) -> list[Finding]:
     """The errors `dstrain check` would report for this layout (empty: legal)."""
     config = to_config(layout, cluster, flavor=None, hf_config=None)
-    target = CheckTarget(config, layout.world, args, cluster.gpu)
+    return config_errors(config, layout.world, args, cluster.gpu)
+
+
+def config_errors(
+    config: DstrainConfig, world: int, args: ModelArgs, gpu: GPUSpec | None
+) -> list[Finding]:
+    """The errors `dstrain check` would report for `config` on `world` ranks of `gpu` (None: a
+    CPU host, or unknown), the data source aside (the planner reads none)."""
+    target = CheckTarget(config, world, args, gpu)
     return [f for f in run_rules(target) if f.severity == "error" and f.key != "data.source"]

@@ -37,6 +37,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.utils.flop_counter import FlopCounterMode
 
 from dstrain.config.schema import DstrainConfig
@@ -132,6 +133,11 @@ def dry_run_rank(
             report.seconds["step"] = time.perf_counter() - built
     finally:
         dist.destroy_process_group()
+        # DTensor caches sharding propagation by spec, and a DeviceMesh compares equal to the
+        # same-shaped mesh of the previous rank's (now destroyed) group: a cached output spec
+        # would carry that mesh's group names into this rank's collectives ("Could not resolve
+        # the process group"). Upstream's own tests clear it between meshes the same way.
+        _clear_sharding_prop_cache()
     report.seconds["total"] = time.perf_counter() - began
     return report
 

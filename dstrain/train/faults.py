@@ -6,7 +6,9 @@ start of step S on rank R:
   resumes from its newest checkpoint);
 - `nan`: the rank's forward produces NaN for that step (the numerics guard must act);
 - `diskfull`: from then on the rank cannot write files past 64 KiB (RLIMIT_FSIZE; writes fail
-  with EFBIG as on a full disk), so its next checkpoint save fails.
+  with EFBIG as on a full disk), so its next checkpoint save fails;
+- `oom`: the rank's step raises `torch.OutOfMemoryError`, as a device allocation that fails
+  (the trainer's advice must follow: `train/oom.py`).
 
 Each fires in the first attempt only (TORCHELASTIC_RESTART_COUNT 0), so a restarted group gets
 past it. Read once at start-up; a malformed value is refused like any other bad input.
@@ -20,13 +22,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from dstrain.errors import UserError
 from dstrain.model.transformer import TransformerBlock
 
 ENV = "DSTRAIN_INJECT_FAULT"
-KINDS = ("hang", "kill", "nan", "diskfull")
+KINDS = ("hang", "kill", "nan", "diskfull", "oom")
 FULL_DISK_BYTES = 64 * 1024
 
 
@@ -47,6 +50,10 @@ class Fault:
         """Called at the start of every step (1-based); `nan` is the trainer's to apply."""
         if self.kind == "nan" or not self.fires(rank, step):
             return
+        if self.kind == "oom":
+            raise torch.OutOfMemoryError(
+                f"out of memory injected by {ENV} at step {step} on rank {rank}"
+            )
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.kind == "diskfull":

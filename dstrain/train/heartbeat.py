@@ -19,7 +19,7 @@ from dstrain.errors import UserError
 
 # In the order a step goes through them ("step": about to start step+1); a rank whose phase is
 # earlier than the others' at the same step is the one holding them up.
-PHASES = ("start", "step", "data", "compute", "checkpoint", "done", "failed")
+PHASES = ("start", "step", "data", "compute", "checkpoint", "done", "failed", "out of memory")
 RECORD_BYTES = 256  # every record padded to this size, so each write covers the last one
 
 
@@ -87,7 +87,9 @@ def explain_timeout(exc: BaseException, run_dir: Path, me: int, step: int) -> Us
     if not any(sign in text.lower() for sign in TIMEOUT_SIGNS):
         return None
     beats = read_heartbeats(run_dir)
-    late = laggards(beats, me)
+    # a rank that ran out of memory (`oom.py`) said so before it left: the one to name
+    ran_out = [b for b in beats if b["rank"] != me and b.get("phase") == "out of memory"]
+    late = ran_out or laggards(beats, me)
     now = time.time()
     shown = late or [b for b in beats if b["rank"] != me]
     heard = "; ".join(

@@ -43,6 +43,7 @@ from dstrain.train.heartbeat import Heartbeat, explain_timeout, read_heartbeats
 from dstrain.train.loss_scale import LossScaler
 from dstrain.train.lr import build_scheduler
 from dstrain.train.observe import build_pipeline_timer, build_probes, build_sinks, step_figures
+from dstrain.train.oom import is_out_of_memory, out_of_memory
 from dstrain.train.pipeline_step import pipeline_step
 from dstrain.train.precision import configure_precision
 from dstrain.train.preemption import Preemption
@@ -330,14 +331,20 @@ class Trainer:
 
     def _guarded_step(self) -> StepResult:
         """One step; a collective that times out becomes one error naming the rank that stopped
-        answering (from the heartbeats) and what this rank was doing."""
+        answering (from the heartbeats) and what this rank was doing; running out of memory,
+        the advice of `train/oom.py`."""
         try:
             return self._one_step()
-        except (RuntimeError, UserError) as exc:
+        except (RuntimeError, UserError, MemoryError) as exc:
+            if is_out_of_memory(exc):
+                raise out_of_memory(self, exc) from None
             explained = explain_timeout(exc, self.run_dir, self.world.rank, self.step + 1)
             if explained is None:
                 raise
             self.heartbeat.beat(self.step, "failed")
+            # The other rank may have left on purpose (out of memory) after its shards of an
+            # async save were written: this rank publishes it rather than dropping it.
+            self.checkpoints.writer.finish_alone(self.config.comm.timeout_s)
             raise explained from exc
 
     def _on_bad_step(self) -> bool:

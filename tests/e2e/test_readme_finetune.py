@@ -1,5 +1,5 @@
-"""The README's fine-tuning example, run as written (its /tmp/ft moved under the test's own
-directory): a tiny DeepSeek-V3 made with transformers, its tokenizer folder and instruction
+"""The fine-tuning example of docs/training.md, run as written (its /tmp/ft moved under the test's
+own directory): a tiny DeepSeek-V3 made with transformers, its tokenizer folder and instruction
 JSONL, fine-tuned with `model.init_from` + `data.tokenizer` + validation, then exported. The run
 starts from the checkpoint's weights (its first loss is the untrained model's, about ln 1024),
 learns (the validation loss falls at every evaluation), and the export is a loadable folder."""
@@ -20,13 +20,13 @@ pytestmark = pytest.mark.slow
 
 
 def _block() -> str:
-    readme = (REPO / "README.md").read_text()
-    found = re.search(r"<!-- finetune-example -->\n```bash\n(.*?)```", readme, re.S)
-    assert found, "the README's fine-tuning block is missing"
+    page = (REPO / "docs" / "training.md").read_text()
+    found = re.search(r"<!-- finetune-example -->\n```bash\n(.*?)```", page, re.S)
+    assert found, "docs/training.md's fine-tuning block is missing"
     return found.group(1)
 
 
-def test_the_readme_finetuning_example_runs(tmp_path):
+def test_the_documented_finetuning_example_runs(tmp_path):
     script = _block().replace("/tmp/ft", str(tmp_path / "ft"))
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OMP_NUM_THREADS": "2"}

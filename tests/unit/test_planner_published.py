@@ -18,7 +18,7 @@ from dstrain.planner.estimate import estimate
 from dstrain.planner.layout import Cluster, Layout
 from tests.conftest import run_cli
 
-# Today's score (see the README): a change may improve these, never worsen them.
+# Today's score (see docs/planner.md): a change may improve these, never worsen them.
 REGRESSION = {
     "throughput_median": 0.06,
     "throughput_within": 0.90,
