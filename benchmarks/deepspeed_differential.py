@@ -6,7 +6,11 @@ triple implies, `auto` filled as the HF Trainer fills it, and the optimizer chec
 `deepspeed.initialize` makes: dstrain.config.ds_verdict.engine_verdict) and by `check` with the
 engine switched off (DSTRAIN_DEEPSPEED_ENGINE=0), so the offline rules alone are measured.
 
-    python benchmarks/deepspeed_differential.py --seed 0 --per-fixture 12
+    python benchmarks/deepspeed_differential.py --seed 0 --per-fixture 12 [--initialize]
+
+With --initialize, every config the loader accepts also goes through `deepspeed.initialize` and
+one optimizer step on a tiny model (dstrain.config.ds_initialize, one child process for all): the
+engine "starts" a config only if that step runs too.
 
 Needs `pip install deepspeed==0.19.8` (DS_BUILD_OPS=0). Targets: false errors <= 2 % of the
 configs the engine starts, misses without any finding <= 10 % of those it refuses, 0 tracebacks.
@@ -46,6 +50,7 @@ class Verdict:
     check_exit: int
     findings: int  # errors and warnings
     traceback: str = ""
+    initialize: Any = None  # ds_initialize.Answer, with --initialize
 
 
 def fixtures() -> list[tuple[str, str]]:
@@ -213,6 +218,24 @@ def cases(seed: int, per_fixture: int) -> list[Case]:
     return out
 
 
+def initialize_all(verdicts: list[Verdict], by_name: dict[str, Case]) -> Counter:
+    """Each config the loader accepts, through deepspeed.initialize and one step: a refusal
+    there turns the engine's verdict to "refuses". Returns the answers counted by verdict."""
+    from dstrain.config import ds_initialize, ds_verdict
+    from dstrain.config.ds_lint import read_hjson
+
+    started = [v for v in verdicts if v.engine_ok]
+    requests = []
+    for v in started:
+        filled = ds_verdict._fill_auto(read_hjson(by_name[v.case].text)[0])
+        requests.append((filled, ds_verdict._implied_world(filled)))
+    answers = ds_initialize.initialize(requests)
+    for v, answer in zip(started, answers, strict=True):
+        v.engine_ok = answer.verdict != ds_initialize.REFUSES
+        v.initialize = answer
+    return Counter(a.verdict for a in answers)
+
+
 def summarize(verdicts: list[Verdict]) -> dict[str, Any]:
     starts = [v for v in verdicts if v.engine_ok]
     refuses = [v for v in verdicts if not v.engine_ok]
@@ -236,14 +259,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--per-fixture", type=int, default=12, help="mutations per fixture")
+    parser.add_argument(
+        "--initialize",
+        action="store_true",
+        help="also run deepspeed.initialize and one step for each config the loader accepts",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     import tempfile
 
+    all_cases = cases(args.seed, args.per_fixture)
     with tempfile.TemporaryDirectory() as tmp:
-        verdicts = [judge(c, Path(tmp)) for c in cases(args.seed, args.per_fixture)]
+        verdicts = [judge(c, Path(tmp)) for c in all_cases]
+    deep = initialize_all(verdicts, {c.name: c for c in all_cases}) if args.initialize else None
     report = summarize(verdicts)
+    if deep is not None:
+        report["initialize"] = dict(deep)
+        report["initialize_unjudged"] = {
+            v.case: v.initialize.message
+            for v in verdicts
+            if v.initialize is not None and v.initialize.verdict == "unjudged"
+        }
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -256,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
         f"({100 * silent / max(refuses, 1):.1f} %)"
     )
     print(f"tracebacks: {len(report['tracebacks'])}")
+    if deep is not None:
+        print(f"deepspeed.initialize and one step, on the configs the loader accepts: {dict(deep)}")
+        for case, why in report["initialize_unjudged"].items():
+            print(f"  unjudged {case}: {why[:160]}")
     for label in ("false_errors", "misses_without_a_finding", "tracebacks"):
         kinds = Counter(c.split("+")[-1].split("#")[0] for c in report[label])
         if kinds:

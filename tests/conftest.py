@@ -2,6 +2,7 @@
 
 import io
 import json
+import os
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,6 +10,12 @@ from pathlib import Path
 import pytest
 
 from dstrain.cli import main
+
+# The suite installs DeepSpeed and megatron-core (the engines' own verdicts are judged in
+# test_deepspeed_differential.py and test_megatron_verdict.py, which switch them on); every
+# other test judges by dstrain's offline rules alone, as a user without the engines gets.
+os.environ.setdefault("DSTRAIN_DEEPSPEED_ENGINE", "0")
+os.environ.setdefault("DSTRAIN_MEGATRON_ENGINE", "0")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"

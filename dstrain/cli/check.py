@@ -2,13 +2,12 @@
 
 import argparse
 import contextlib
-import os
-from collections.abc import Iterator
 
 from dstrain.cli.common import add_config_args, add_json_flag, console, positive_int, print_json
-from dstrain.config.ds_keys import NEWEST_RELEASE, RELEASE_ENV
+from dstrain.config.ds_keys import NEWEST_RELEASE
 from dstrain.config.ds_lint import IMPORT_RULES
 from dstrain.config.findings import SEVERITIES, Finding, has_errors, has_unsupported
+from dstrain.config.imported import Judges
 from dstrain.config.load import LoadedConfig, load_config
 from dstrain.config.preflight import preflight
 from dstrain.config.rules import RULES
@@ -85,6 +84,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "newest modelled; 0.18.9 keeps the features 0.19 removed, 0.16.9 reads fp16/bf16 "
         "loosely). With DeepSpeed installed, the engine's own loader also judges the file",
     )
+    parser.add_argument(
+        "--deepspeed-initialize",
+        action="store_true",
+        help="with DeepSpeed installed, also run deepspeed.initialize and one optimizer step "
+        "with the file on a tiny model (1 rank, gloo, DeepSpeed's CPU accelerator, in a child "
+        "process): catches what only the engine's first step refuses. An Adam optimizer section "
+        "compiles DeepSpeed's CPU op for it on first use (about a minute; cached after)",
+    )
     parser.add_argument("--rules", action="store_true", help="list the rules and exit")
     add_json_flag(parser)
     parser.set_defaults(func=run)
@@ -95,28 +102,24 @@ def run(args: argparse.Namespace) -> int:
         return _list_rules(args.json)
     if args.config is None and not args.overrides:
         raise UserError("no config given", "dstrain check CONFIG [--world-size N]")
-    with _deepspeed_release(args.deepspeed_release):
-        return _check(args)
+    return _check(args)
 
 
-@contextlib.contextmanager
-def _deepspeed_release(name: str | None) -> Iterator[None]:
-    """--deepspeed-release, as the rules read it ($DSTRAIN_DEEPSPEED_RELEASE), for this call."""
-    before = os.environ.get(RELEASE_ENV)
-    if name:
-        os.environ[RELEASE_ENV] = name
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(RELEASE_ENV, None)
-        else:
-            os.environ[RELEASE_ENV] = before
+def _initialize_status(judges: Judges) -> contextlib.AbstractContextManager:
+    """A live line while deepspeed.initialize runs (its first use compiles ops for a minute)."""
+    if not judges.deepspeed_initialize:
+        return contextlib.nullcontext()
+    return console(stderr=True).status(
+        "dstrain check: deepspeed.initialize and one step on a tiny model (an Adam section "
+        "compiles DeepSpeed's CPU op on first use: about a minute) ..."
+    )
 
 
 def _check(args: argparse.Namespace) -> int:
     try:
-        loaded = load_config(args.config, args.overrides)
+        judges = Judges(args.deepspeed_release, args.deepspeed_initialize)
+        with _initialize_status(judges):
+            loaded = load_config(args.config, args.overrides, judges)
     except UserError as exc:
         if not args.json:
             raise

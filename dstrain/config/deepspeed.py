@@ -11,7 +11,16 @@ from dstrain.config.ds_engine import ONE_BIT, deepspeed_true, uses_auto
 from dstrain.config.ds_keys import release
 from dstrain.config.ds_verdict import engine_verdict
 from dstrain.config.findings import error, info, warning
-from dstrain.config.imported import AUTO, Imported, as_bool, as_float, as_int, lax_value
+from dstrain.config.imported import (
+    AUTO,
+    DEFAULT_JUDGES,
+    Imported,
+    Judges,
+    as_bool,
+    as_float,
+    as_int,
+    lax_value,
+)
 
 # Keys DeepSpeed accepts that change nothing in dstrain, with the reason shown to the user.
 _NO_EFFECT = {
@@ -44,13 +53,16 @@ _NO_EFFECT = {
 
 
 def from_deepspeed(
-    raw: dict[str, Any], engine: str = "DeepSpeed", text: str | None = None
+    raw: dict[str, Any],
+    engine: str = "DeepSpeed",
+    text: str | None = None,
+    judges: Judges = DEFAULT_JUDGES,
 ) -> Imported:
     """Map a DeepSpeed config dict (with any Megatron keys beside it) to a dstrain config dict,
     as `engine` would read it, by the rules of one DeepSpeed release (the newest, or
     $DSTRAIN_DEEPSPEED_RELEASE). `text` is the file's own text, when there is one: read as
     DeepSpeed's hjson loader reads it. With DeepSpeed importable, its own loader judges too."""
-    rel = release()
+    rel = release(judges.deepspeed_release)
     out = Imported(engine=engine, release=rel)
     out.findings.append(
         info("deepspeed release", f"the offline rules model DeepSpeed {rel.name}", ds_lint.HINT)
@@ -58,7 +70,7 @@ def from_deepspeed(
     if text is not None:
         out.findings.extend(ds_lint.read_hjson(text)[1])
     if engine == "DeepSpeed":
-        out.findings.extend(engine_verdict(raw, text))
+        out.findings.extend(engine_verdict(raw, text, initialize=judges.deepspeed_initialize))
     out.findings.extend(ds_lint.lint(raw, rel))
     foreign = {k: v for k, v in raw.items() if k not in ds_lint.top_level_keys()}
     megatron.map_keys({k: v for k, v in foreign.items() if megatron.is_megatron_key(k)}, out)

@@ -23,8 +23,8 @@ from dstrain.config.suggest import closest
 
 REJECTED_OPTIMIZER_PARAMS = DS_REJECTED_OPTIMIZER_PARAMS
 HINT = (
-    "judge by another release with DSTRAIN_DEEPSPEED_RELEASE=0.18.9 (or 0.16.9): the rules "
-    "differ for removed features, 1-bit optimizers and the fp16/bf16 sections"
+    "judge by another release with --deepspeed-release 0.18.9 (or 0.16.9): the rules differ "
+    "for removed features, 1-bit optimizers and the fp16/bf16 sections"
 )
 
 # What importing a DeepSpeed/Megatron file checks, for `dstrain check --rules`.

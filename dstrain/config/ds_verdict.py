@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
+from dstrain.config import ds_initialize
 from dstrain.config.findings import Finding, error, info
 from dstrain.config.imported import AUTO
 
@@ -32,7 +33,7 @@ _HF_FILLS = {
     "optimizer.params.weight_decay": 0.0,
     "scheduler.params.warmup_min_lr": 0,
     "scheduler.params.warmup_max_lr": 5e-5,
-    "scheduler.params.warmup_num_steps": 0,
+    "scheduler.params.warmup_num_steps": 10,  # warmup_ratio x steps; 0.19 refuses 0
     "scheduler.params.total_num_steps": 1000,
     "fp16.enabled": False,
     "bf16.enabled": False,
@@ -43,15 +44,29 @@ _HF_FILLS = {
 
 
 def engine_verdict(
-    raw: dict[str, Any], text: str | None = None, world_size: int | None = None
+    raw: dict[str, Any],
+    text: str | None = None,
+    world_size: int | None = None,
+    initialize: bool = False,
 ) -> list[Finding]:
     """DeepSpeed's own verdict, when DeepSpeed is importable: its hjson read of `text`, its
     config loader (`DeepSpeedConfig`) at `world_size` ranks (None: the world size the file's
     batch triple implies, else 1) with `auto` filled as the HF Trainer fills it, and the
-    optimizer checks `deepspeed.initialize` runs on that config. One finding, keyed
-    "deepspeed engine"; [] without DeepSpeed or with DSTRAIN_DEEPSPEED_ENGINE=0."""
-    if os.environ.get(ENGINE_ENV, "1") == "0" or find_spec("deepspeed") is None:
+    optimizer checks `deepspeed.initialize` runs on that config. With `initialize`, a config the
+    loader accepts also goes through deepspeed.initialize and one step (ds_initialize.py).
+    Findings keyed "deepspeed engine"; [] without DeepSpeed or with DSTRAIN_DEEPSPEED_ENGINE=0."""
+    if os.environ.get(ENGINE_ENV, "1") == "0":
         return []
+    if find_spec("deepspeed") is None:
+        if not initialize:
+            return []
+        return [
+            info(
+                ENGINE_KEY,
+                "--deepspeed-initialize asks DeepSpeed itself, which is not installed here",
+                "DS_BUILD_OPS=0 pip install deepspeed (the release to judge by)",
+            )
+        ]
     filled = _fill_auto(raw)
     world = world_size or _implied_world(filled)
     quiet = contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO())
@@ -75,7 +90,31 @@ def engine_verdict(
                 "the findings beside this one name the key",
             )
         ]
-    return [info(ENGINE_KEY, f"the engine's own verdict: {where}, accepts it")]
+    accepted = info(ENGINE_KEY, f"the engine's own verdict: {where}, accepts it")
+    return [
+        accepted,
+        *(_initialize_verdict(filled, world, deepspeed.__version__) if initialize else []),
+    ]
+
+
+def _initialize_verdict(config: dict[str, Any], world: int, version: str) -> list[Finding]:
+    (answer,) = ds_initialize.initialize([(config, world)])
+    where = (
+        f"DeepSpeed {version}'s deepspeed.initialize and one optimizer step on a tiny model "
+        f"(1 rank of {world}, gloo, CPU accelerator)"
+    )
+    if answer.verdict == ds_initialize.ACCEPTS:
+        return [info(ENGINE_KEY, f"the engine's own verdict: {where}, accepts it")]
+    if answer.verdict == ds_initialize.REFUSES:
+        return [
+            error(
+                ENGINE_KEY,
+                f"the engine's own verdict: {where}, refuses it: {answer.message}",
+                "the engine's message names the key; DeepSpeed's loader accepted the file, so "
+                "this fails only once a job starts",
+            )
+        ]
+    return [info(ENGINE_KEY, f"{where} could not run here: {answer.message}")]
 
 
 def _run_loader(config: dict[str, Any], text: str | None, world: int) -> None:

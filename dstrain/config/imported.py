@@ -16,6 +16,19 @@ LAX_BOOL_WORDS = {
 _INT_TEXT = re.compile(r"\s*[+-]?\d+(\.0*)?\s*")  # "8" and "8.0", not "5e8"
 
 
+@dataclass(frozen=True)
+class Judges:
+    """How a foreign file is judged beyond dstrain's own reading of it: the DeepSpeed release the
+    offline rules model (None: $DSTRAIN_DEEPSPEED_RELEASE, else the newest modelled), and whether
+    an installed DeepSpeed also runs `deepspeed.initialize` and one step on a tiny model."""
+
+    deepspeed_release: str | None = None
+    deepspeed_initialize: bool = False
+
+
+DEFAULT_JUDGES = Judges()
+
+
 @dataclass
 class Imported:
     """A dstrain config dict built from a foreign config, plus what the import had to say.

@@ -16,10 +16,10 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from dstrain.config import megatron, megatron_engine
+from dstrain.config import megatron, megatron_engine, megatron_verdict
 from dstrain.config.deepspeed import from_deepspeed
 from dstrain.config.findings import error, info
-from dstrain.config.imported import Imported
+from dstrain.config.imported import DEFAULT_JUDGES, Imported, Judges
 
 SCRIPT_SUFFIXES = {".sh", ".bash", ".slurm", ".sbatch"}
 
@@ -326,7 +326,7 @@ def _cluster_from_launchers(facts: ScriptFacts, variables: dict[str, str]) -> No
             facts.nodes = flags[key]
 
 
-def import_launch_script(text: str) -> Imported:
+def import_launch_script(text: str, judges: Judges = DEFAULT_JUDGES) -> Imported:
     """The script's DeepSpeed JSON and Megatron flags, mapped like a DeepSpeed file, plus the
     cluster shape; flags of other programs (srun, torchrun) are listed once, not dropped."""
     facts = read_launch_script(text)
@@ -344,10 +344,11 @@ def import_launch_script(text: str) -> Imported:
     # script writes and hands to Megatron-DeepSpeed. A script that launches no DeepSpeed, or
     # names a JSON this check does not read, gets Megatron's rules alone.
     if engine == "Megatron-DeepSpeed" and facts.deepspeed is not None:
-        out = from_deepspeed(raw, engine)
+        out = from_deepspeed(raw, engine, judges=judges)
     else:
         out = megatron.import_flags(raw, engine)
     out.findings.extend(megatron_engine.engine_rules(engine, facts.flags, facts.deepspeed))
+    out.findings.extend(megatron_verdict.engine_verdict(engine, facts.flags))
     unknown = [o.removeprefix("--") for o in others]
     out.findings.extend(megatron_engine.misspelt_flags(engine, unknown, megatron.known_keys()))
     out.findings.extend(

@@ -12,7 +12,7 @@ from dstrain.config.deepspeed import from_deepspeed
 from dstrain.config.ds_keys import DS_TOP_LEVEL
 from dstrain.config.ds_lint import read_hjson
 from dstrain.config.findings import Finding
-from dstrain.config.imported import Imported
+from dstrain.config.imported import DEFAULT_JUDGES, Imported, Judges
 from dstrain.config.io import dump_toml, parse_config_text, read_text
 from dstrain.config.launch_script import import_launch_script, looks_like_script
 from dstrain.config.overrides import apply_overrides, parse_override
@@ -51,12 +51,14 @@ def detect_source(raw: dict[str, Any]) -> Source:
     return "dstrain"
 
 
-def load_config(path: Path | None, overrides: list[str] | None = None) -> LoadedConfig:
+def load_config(
+    path: Path | None, overrides: list[str] | None = None, judges: Judges = DEFAULT_JUDGES
+) -> LoadedConfig:
     """Read `path` (None = defaults), apply overrides, validate. Schema problems become findings;
-    unreadable input raises UserError."""
+    unreadable input raises UserError. `judges` says how a foreign file is judged."""
     overrides = overrides or []
     keys = [".".join(parse_override(text)[0]) for text in overrides]  # malformed --set fails first
-    source, imported = _read(path)
+    source, imported = _read(path, judges)
     config, schema_findings = build_config(apply_overrides(imported.data, overrides))
     for key in keys:  # a --set key is the user's own spelling again
         imported.origins.pop(key, None)
@@ -71,13 +73,13 @@ def load_config(path: Path | None, overrides: list[str] | None = None) -> Loaded
     )
 
 
-def _read(path: Path | None) -> tuple[Source, Imported]:
+def _read(path: Path | None, judges: Judges) -> tuple[Source, Imported]:
     """The file as a dstrain config dict: our own format as is, foreign ones imported."""
     if path is None:
         return "defaults", Imported(model_given=True)
     text = read_text(path)
     if looks_like_script(path.suffix, text):
-        return "script", import_launch_script(text)
+        return "script", import_launch_script(text, judges)
     try:
         data = parse_config_text(text, path)
     except UserError:
@@ -88,7 +90,7 @@ def _read(path: Path | None) -> tuple[Source, Imported]:
     source = detect_source(data)
     if source == "deepspeed":
         json_text = text if text.lstrip().startswith("{") else None
-        return source, from_deepspeed(data, text=json_text)
+        return source, from_deepspeed(data, text=json_text, judges=judges)
     return source, Imported(data=data, model_given=True)
 
 

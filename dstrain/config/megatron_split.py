@@ -160,16 +160,28 @@ def _uneven_ranks(
     middle ranks split the rest evenly; the virtual size divides each rank's count
     (TransformerConfig.__post_init__; get_num_layers_to_build)."""
     ends = {"first": first, "last": last}
+    for end, count in ends.items():
+        if count is not None and count <= 0:
+            return None, [
+                error(
+                    f"decoder_{end}_pipeline_num_layers",
+                    f"Megatron-Core raises `num_layers_in_{end}_pipeline_stage must be larger "
+                    f"than 0` (given {count})",
+                    f"leave --decoder-{end}-pipeline-num-layers out for an even split",
+                )
+            ]
     middle = pp - sum(n is not None for n in ends.values())
     rest = num_layers - sum(n for n in ends.values() if n is not None)
-    if rest < 0 or (middle > 0 and rest % middle) or (middle == 0 and rest):
+    if rest < 0 or (middle > 0 and rest % middle) or bool(middle) != bool(rest):
         return None, [
             error(
                 "decoder_first_pipeline_num_layers",
                 f"{num_layers} layers less {num_layers - rest} on the end stage(s) leave {rest} "
                 "for "
                 f"the {middle} middle pipeline rank(s): Megatron-Core raises `number of layers at "
-                "middle stage ... must be divisible by the middle pipeline model parallel size`",
+                "middle stage ... must be divisible by the middle pipeline model parallel size` "
+                "(or, when no layers or no middle ranks are left, `Mismatch: N middle layers "
+                "remaining but M middle PP stages available`)",
                 "choose first/last stage layer counts that leave a multiple of the middle ranks",
             )
         ]

@@ -27,6 +27,10 @@ LAYERS = {
 }
 NO_TORCH = {"errors", "hardware", "config", "planner", "deploy"}
 NO_TORCH_DISTRIBUTED = NO_TORCH | {"model", "data", "doctor"}
+# The engines' own verdicts run DeepSpeed and Megatron-Core, which bring torch with them: these
+# may import torch inside a function, only once the engine is installed and asked, never at
+# module level (check stays torch-free without them).
+ENGINE_JUDGES = {"config/ds_initialize.py", "config/megatron_verdict.py"}
 
 
 def _modules():
@@ -67,6 +71,10 @@ def test_imports_point_down():
 def test_laptop_layers_import_no_torch():
     wrong = []
     for path, top, tree in _modules():
+        if str(path.relative_to(PACKAGE)) in ENGINE_JUDGES:
+            tree = ast.Module(
+                body=[n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+            )
         for name in _imports(tree):
             if top in NO_TORCH and name.split(".")[0] == "torch":
                 wrong.append(f"{path.relative_to(PACKAGE)} imports {name}")
