@@ -16,8 +16,8 @@ from pathlib import Path
 
 from cpu import cpu_label  # noqa: E402  (benchmarks/cpu.py)
 
-from dstrain.config.load import load_config
-from dstrain.config.preflight import preflight
+from dstrain.interop.load import load_any
+from dstrain.preflight.preflight import preflight
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT = REPO / "examples" / "deepseek-v3-h800x2048.toml"
@@ -36,7 +36,7 @@ def in_process(config: Path, world: int, repeats: int) -> float:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        preflight(load_config(config), world)
+        preflight(load_any(config), world)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 

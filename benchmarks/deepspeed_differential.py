@@ -3,13 +3,13 @@
 Seeded mutations of the real working DeepSpeed fixtures, made the ways users break configs, are
 judged twice: by DeepSpeed itself (hjson read, `DeepSpeedConfig` at the world size the batch
 triple implies, `auto` filled as the HF Trainer fills it, and the optimizer checks
-`deepspeed.initialize` makes: dstrain.config.ds_verdict.engine_verdict) and by `check` with the
+`deepspeed.initialize` makes: dstrain.interop.ds_verdict.engine_verdict) and by `check` with the
 engine switched off (DSTRAIN_DEEPSPEED_ENGINE=0), so the offline rules alone are measured.
 
     python benchmarks/deepspeed_differential.py --seed 0 --per-fixture 12 [--initialize]
 
 With --initialize, every config the loader accepts also goes through `deepspeed.initialize` and
-one optimizer step on a tiny model (dstrain.config.ds_initialize, one child process for all): the
+one optimizer step on a tiny model (dstrain.interop.ds_initialize, one child process for all): the
 engine "starts" a config only if that step runs too.
 
 Needs `pip install deepspeed==0.19.8` (DS_BUILD_OPS=0). Targets: false errors <= 2 % of the
@@ -173,11 +173,11 @@ _KINDS = (
 
 def judge(case: Case, tmp: Path) -> Verdict:
     from dstrain.cli.check import exit_status
-    from dstrain.config import ds_verdict
-    from dstrain.config.ds_lint import read_hjson
-    from dstrain.config.load import load_config
-    from dstrain.config.preflight import preflight
     from dstrain.errors import UserError
+    from dstrain.interop import ds_verdict
+    from dstrain.interop.ds_lint import read_hjson
+    from dstrain.interop.load import load_any
+    from dstrain.preflight.preflight import preflight
 
     raw = read_hjson(case.text)[0]
     world = ds_verdict._implied_world(ds_verdict._fill_auto(raw)) if raw is not None else 1
@@ -189,7 +189,7 @@ def judge(case: Case, tmp: Path) -> Verdict:
     path.write_text(case.text)
     try:
         # DeepSpeedConfig's world size is the data-parallel one; check's counts every rank.
-        findings = preflight(load_config(path), world * _model_parallel(raw or {}))
+        findings = preflight(load_any(path), world * _model_parallel(raw or {}))
     except UserError as exc:
         return Verdict(case.name, engine_ok, exc.exit_code, 1)
     except Exception:
@@ -221,8 +221,8 @@ def cases(seed: int, per_fixture: int) -> list[Case]:
 def initialize_all(verdicts: list[Verdict], by_name: dict[str, Case]) -> Counter:
     """Each config the loader accepts, through deepspeed.initialize and one step: a refusal
     there turns the engine's verdict to "refuses". Returns the answers counted by verdict."""
-    from dstrain.config import ds_initialize, ds_verdict
-    from dstrain.config.ds_lint import read_hjson
+    from dstrain.interop import ds_initialize, ds_verdict
+    from dstrain.interop.ds_lint import read_hjson
 
     started = [v for v in verdicts if v.engine_ok]
     requests = []

@@ -4,14 +4,15 @@ import argparse
 import contextlib
 
 from dstrain.cli.common import add_config_args, add_json_flag, console, positive_int, print_json
-from dstrain.config.ds_keys import NEWEST_RELEASE
-from dstrain.config.ds_lint import IMPORT_RULES
 from dstrain.config.findings import SEVERITIES, Finding, has_errors, has_unsupported
-from dstrain.config.imported import Judges
-from dstrain.config.load import LoadedConfig, load_config
-from dstrain.config.preflight import preflight
-from dstrain.config.rules import RULES
+from dstrain.config.load import LoadedConfig
 from dstrain.errors import UserError
+from dstrain.interop.ds_keys import NEWEST_RELEASE
+from dstrain.interop.ds_lint import IMPORT_RULES
+from dstrain.interop.imported import Judges
+from dstrain.interop.load import load_any
+from dstrain.preflight.preflight import preflight
+from dstrain.preflight.rules import RULES
 
 _EPILOG = """\
 An imported config (DeepSpeed JSON, a Megatron-LM / Megatron-DeepSpeed launch script) answers
@@ -119,7 +120,7 @@ def _check(args: argparse.Namespace) -> int:
     try:
         judges = Judges(args.deepspeed_release, args.deepspeed_initialize)
         with _initialize_status(judges):
-            loaded = load_config(args.config, args.overrides, judges)
+            loaded = load_any(args.config, args.overrides, judges)
     except UserError as exc:
         if not args.json:
             raise

@@ -17,9 +17,9 @@ from dstrain.cli.common import (
 )
 from dstrain.config.flavors import resolve_model_args
 from dstrain.config.load import load_config
-from dstrain.config.preflight import preflight
 from dstrain.config.validate import raise_if_errors
 from dstrain.errors import UserError
+from dstrain.preflight.preflight import preflight
 
 _EPILOG = """\
 What it reads: config.json, model.safetensors.index.json and each file's header (a few MB for

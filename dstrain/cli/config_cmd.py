@@ -3,9 +3,9 @@
 import argparse
 
 from dstrain.cli.common import add_config_args, add_json_flag, console, print_json
-from dstrain.config.explain import explain, flavor_summary, section_doc
 from dstrain.config.load import load_config, to_toml
 from dstrain.config.validate import raise_if_errors
+from dstrain.preflight.explain import explain, flavor_summary, section_doc
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -8,9 +8,10 @@ from pathlib import Path
 from dstrain.cli.check import print_findings
 from dstrain.cli.common import add_config_args, add_json_flag, console, print_json
 from dstrain.config.findings import has_errors
-from dstrain.config.load import load_config, to_toml
-from dstrain.config.preflight import preflight
+from dstrain.config.load import to_toml
 from dstrain.errors import UserError
+from dstrain.interop.load import load_any
+from dstrain.preflight.preflight import preflight
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    loaded = load_config(args.config, args.overrides)
+    loaded = load_any(args.config, args.overrides)
     findings = preflight(loaded, None)
     load_errors = has_errors(loaded.findings)
     if not load_errors:

@@ -2,17 +2,12 @@
 the embedded corpus, on CPU)."""
 
 import argparse
-import json
 import os
-from dataclasses import asdict
-from pathlib import Path
 
-from dstrain.cli.common import add_config_args, console, non_negative_int, positive_int, print_json
+from dstrain.cli.common import add_config_args, non_negative_int, positive_int
 from dstrain.cli.dry_run import add_dry_run_args, dry_run_world, run_dry
-from dstrain.config.load import LoadedConfig, load_config
-from dstrain.config.preflight import preflight
-from dstrain.config.validate import raise_if_errors
-from dstrain.errors import UserError
+from dstrain.config.load import load_config
+from dstrain.train.worker import before_launch, run_overrides, train
 
 _EPILOG = """\
 The run directory is runs/<run.name>/: config.toml (exactly what ran), metrics.jsonl, tb/
@@ -111,17 +106,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = list(args.overrides)
-    if args.resume:
-        overrides.append(f'checkpoint.resume="{args.resume}"')
-    if args.fresh:
-        overrides.append("checkpoint.resume=never")
-    if args.profile_steps:
-        overrides.append(f'metrics.profile_steps="{args.profile_steps}"')
+    overrides = run_overrides(args.overrides, args.resume, args.fresh, args.profile_steps)
     loaded = load_config(args.config, overrides)
     if args.dry_run:
         world = dry_run_world(args, loaded)
-        _before_launch(loaded, world, worker=False)
+        before_launch(loaded, world, worker=False)
         return run_dry(args, loaded, world)
     worker = "LOCAL_RANK" in os.environ  # started by torchrun
     if worker:
@@ -131,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         world = args.nproc
     # The layout, and init_from's checkpoint, are checked before any process exists.
-    _before_launch(loaded, world, worker)
+    before_launch(loaded, world, worker)
     if (args.nproc > 1 or args.max_restarts) and not worker:
         from dstrain.cli.launch import launch_local
 
@@ -141,53 +130,7 @@ def run(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts,
             shutdown_s=loaded.config.checkpoint.preemption_deadline_s,
         )
-    from dstrain.train.trainer import Trainer  # torch loads only once the config is known good
-
-    trainer = Trainer(loaded.config)
-    if trainer.step >= loaded.config.train.steps:
-        console(stderr=True).print(
-            f"dstrain train: {trainer.run_dir} is already complete at step {trainer.step} "
-            "(--fresh to start over, or raise train.steps)",
-            markup=False,
-        )
-        if args.json and trainer.world.is_main:
-            print_json(_finished_summary(trainer.run_dir, trainer.step))
-        return 0
-    summary = trainer.train()
-    if not trainer.world.is_main:
-        return 0
-    if args.json:
-        print_json(asdict(summary) | {"run_dir": str(trainer.run_dir)})
-        return 0
-    console().print(
-        f"done: {summary.steps} steps, loss {summary.final_loss:.4f}, "
-        f"{summary.tokens_per_s:,.0f} tokens/s, MFU {100 * summary.mfu:.1f}%, "
-        f"{summary.wall_s:.0f} s -> {trainer.run_dir}",
-        markup=False,
-    )
-    return 0
-
-
-def _before_launch(loaded: LoadedConfig, world: int, worker: bool) -> None:
-    """The check's rules and init_from's headers. Under torchrun every worker runs them on the
-    same files before any process group exists, so they fail alike: rank 0 says why, the
-    others exit with the same status and say nothing (one message, not one per rank)."""
-    try:
-        raise_if_errors(preflight(loaded, world_size=world))
-        _refuse_bad_init_from(loaded)
-    except UserError as exc:
-        if worker and os.environ.get("RANK", "0") != "0":
-            raise SystemExit(exc.exit_code) from None
-        raise
-
-
-def _refuse_bad_init_from(loaded: LoadedConfig) -> None:
-    if loaded.config.model.init_from is None:
-        return
-    from dstrain.checkpoint.hf_check import refuse_bad_init_from
-    from dstrain.config.flavors import resolve_model_args
-
-    refuse_bad_init_from(loaded.config, resolve_model_args(loaded.config.model))
+    return train(loaded, args.json)
 
 
 def _step_range(text: str) -> str:
@@ -198,17 +141,6 @@ def _step_range(text: str) -> str:
             f"{text!r}: give two step numbers A:B with 1 <= A <= B (e.g. 5:7)"
         )
     return text
-
-
-def _finished_summary(run_dir: Path, step: int) -> dict:
-    """What a script asking for JSON gets from a run that is already complete: the summary the
-    run wrote when it finished (none if it was cut short before writing one)."""
-    path = run_dir / "summary.json"
-    try:
-        written = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        written = {}
-    return written | {"run_dir": str(run_dir), "already_complete": True, "step": step}
 
 
 def _worker_argv(args: argparse.Namespace, overrides: list[str]) -> list[str]:

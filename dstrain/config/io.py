@@ -125,3 +125,11 @@ def _syntax_error(
         "YAML": "check the indentation and the `key: value` form on that line",
     }[fmt]
     return UserError(f"{name}: invalid {fmt}{where}: {message}", hint, exit_code=2)
+
+
+SCRIPT_SUFFIXES = {".sh", ".bash", ".slurm", ".sbatch"}
+
+
+def looks_like_script(suffix: str, text: str) -> bool:
+    """A shell launch script (by its suffix or a shebang), not a config file."""
+    return suffix.lower() in SCRIPT_SUFFIXES or text.startswith("#!")

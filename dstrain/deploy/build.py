@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Any
 
 from dstrain.config.load import load_config, to_toml
-from dstrain.config.preflight import preflight
 from dstrain.config.validate import raise_if_errors
 from dstrain.deploy.spec import DeploySpec, check_placement, resolve_spec
+from dstrain.preflight.preflight import preflight
 
 
 @dataclass

@@ -6,10 +6,10 @@ from pathlib import Path
 
 from dstrain.config.findings import Finding
 from dstrain.config.model_args import ModelArgs
-from dstrain.config.rules import CheckTarget, run_rules
 from dstrain.config.schema import DstrainConfig
 from dstrain.hardware import GPUSpec
 from dstrain.planner.layout import Cluster, Layout
+from dstrain.preflight.rules import CheckTarget, run_rules
 
 
 def to_config(

@@ -14,7 +14,6 @@ from dstrain.config.batch import BatchPlan, run_batch
 from dstrain.config.flavors import resolve_model_args
 from dstrain.config.model_args import ModelArgs
 from dstrain.config.parallel_dims import ParallelDims
-from dstrain.config.rules import CheckTarget, run_rules
 from dstrain.config.schema import DstrainConfig
 from dstrain.config.validate import raise_if_errors
 from dstrain.model.hf_load import HFCheckpoint
@@ -24,6 +23,7 @@ from dstrain.parallel.distributed import World
 from dstrain.parallel.mesh import Meshes, build_meshes
 from dstrain.parallel.parallelize import parallelize_model
 from dstrain.parallel.pipeline import Pipeline, build_pipeline
+from dstrain.preflight.rules import CheckTarget, run_rules
 from dstrain.train.optim import build_optimizer
 from dstrain.train.step import DataParallel
 

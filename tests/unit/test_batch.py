@@ -6,8 +6,8 @@ import pytest
 
 from dstrain.config.batch import run_batch
 from dstrain.config.load import load_config
-from dstrain.config.preflight import preflight
 from dstrain.planner.layout import layout_from_config
+from dstrain.preflight.preflight import preflight
 
 
 def batch(*overrides: str, dp: int = 1):

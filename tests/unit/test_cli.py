@@ -109,7 +109,7 @@ def test_config_refuses_a_broken_config(cli):
 
 
 def test_explain_covers_every_key(cli):
-    from dstrain.config.explain import explain
+    from dstrain.preflight.explain import explain
 
     docs = explain()
     assert all(d.description for d in docs), [d.key for d in docs if not d.description]

@@ -165,3 +165,18 @@ def test_empty_files_mean_defaults(tmp_path):
         loaded = load_config(_write(tmp_path, name, ""))
         assert loaded.config == DstrainConfig()
         assert loaded.findings == []
+
+
+def test_another_engines_file_is_refused_with_the_commands_that_read_it(tmp_path, cli):
+    """load_config reads dstrain's own config only (the trainer carries no engine catalogue):
+    a DeepSpeed JSON or a launch script gets one message naming check and convert."""
+    ds = tmp_path / "ds_config.json"
+    ds.write_text('{"train_batch_size": 8, "zero_optimization": {"stage": 2}}')
+    script = tmp_path / "pretrain.sh"
+    script.write_text("torchrun pretrain_gpt.py --num-layers 8\n")
+    for path in (ds, script):
+        result = cli("train", path)
+        assert result.code == 2, result.text
+        assert "is not a dstrain config" in result.err and "Traceback" not in result.text
+        assert f"dstrain convert {path} -o run.toml" in result.err
+        assert cli("check", path).code in (0, 1), path  # check still reads it

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dstrain.config.ds_verdict import ENGINE_ENV, ENGINE_KEY, engine_verdict
-from dstrain.config.load import load_config
+from dstrain.interop.ds_verdict import ENGINE_ENV, ENGINE_KEY, engine_verdict
+from dstrain.interop.load import load_any
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed"
@@ -21,11 +21,11 @@ def test_the_engine_verdict_is_a_finding_with_its_source(tmp_path, monkeypatch):
     monkeypatch.setenv(ENGINE_ENV, "1")
     path = tmp_path / "ds_config.json"
     path.write_text('{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}')
-    found = {f.key: f for f in load_config(path).findings}
+    found = {f.key: f for f in load_any(path).findings}
     assert found[ENGINE_KEY].severity == "info"
     assert "accepts it" in found[ENGINE_KEY].message
     path.write_text('{"train_batch_size": 8, "train_batch_size": 16}')
-    found = {f.key: f for f in load_config(path).findings}
+    found = {f.key: f for f in load_any(path).findings}
     assert found[ENGINE_KEY].severity == "error"
     assert "Duplicate keys" in found[ENGINE_KEY].message
 

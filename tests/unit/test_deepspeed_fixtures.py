@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from dstrain.config.ds_keys import RELEASE_ENV
-from dstrain.config.ds_verdict import ENGINE_ENV
-from dstrain.config.load import load_config
-from dstrain.config.preflight import preflight
+from dstrain.interop.ds_keys import RELEASE_ENV
+from dstrain.interop.ds_verdict import ENGINE_ENV
+from dstrain.interop.load import load_any
+from dstrain.preflight.preflight import preflight
 from tests.fixture_index import load_samples, sample_params
 
 FIXTURES, SAMPLES = load_samples("deepspeed")
@@ -100,7 +100,7 @@ def test_valid_sample_checks_clean_and_converts(name, cli, tmp_path, monkeypatch
     out = tmp_path / "run.toml"
     converted = cli("convert", FIXTURES / name, "-o", out)
     assert converted.code == 0, converted.text
-    assert load_config(out).findings == []
+    assert load_any(out).findings == []
 
 
 @pytest.mark.parametrize("name", _samples("broken"))
@@ -169,7 +169,7 @@ def test_megatron_style_config_with_a_model_checks_the_split(cli, tmp_path):
 
 
 def test_megatron_style_config_maps_every_key(tmp_path):
-    loaded = load_config(_write(tmp_path, MEGATRON_STYLE))
+    loaded = load_any(_write(tmp_path, MEGATRON_STYLE))
     c = loaded.config
     assert loaded.source == "deepspeed"
     assert (c.parallel.pp, c.parallel.tp, c.parallel.ep) == (4, 8, 16)
@@ -202,7 +202,7 @@ def test_micro_batch_beside_megatron_global_batch(tmp_path):
         "global_batch_size": 512,
         "dataloader_num_workers": 4,  # an HF TrainingArguments key, not a DeepSpeed one
     }
-    loaded = load_config(_write(tmp_path, config))
+    loaded = load_any(_write(tmp_path, config))
     assert (loaded.config.train.micro_batch_size, loaded.config.train.global_batch_size) == (
         2,
         512,
@@ -237,7 +237,7 @@ def test_micro_batch_beside_megatron_global_batch(tmp_path):
     ids=["virtual-pipeline", "offload-params", "persitence"],
 )
 def test_misspelt_key_gets_did_you_mean(tmp_path, config, key, suggestion):
-    findings = preflight(load_config(_write(tmp_path, config)), None)
+    findings = preflight(load_any(_write(tmp_path, config)), None)
     # In a section (a pydantic model with extra="forbid") DeepSpeed refuses the key: an error;
     # at the top level it ignores it: a warning. Both name the key it was meant to be.
     level = "warning" if "." not in key else "error"
@@ -247,7 +247,7 @@ def test_misspelt_key_gets_did_you_mean(tmp_path, config, key, suggestion):
 
 def test_tiny_learning_rate_is_flagged(tmp_path):
     config = {"train_batch_size": 256, "optimizer": {"type": "Adam", "params": {"lr": 1e-9}}}
-    findings = preflight(load_config(_write(tmp_path, config)), None)
+    findings = preflight(load_any(_write(tmp_path, config)), None)
     warnings = {f.key for f in findings if f.severity == "warning"}
     assert "optimizer.params.lr (optim.lr)" in warnings
 
@@ -261,7 +261,7 @@ def test_hard_coded_fp16_in_an_auto_config_is_flagged(tmp_path):
         "fp16": {"enabled": True},
         "zero_optimization": {"stage": 2},
     }
-    findings = preflight(load_config(_write(tmp_path, config)), None)
+    findings = preflight(load_any(_write(tmp_path, config)), None)
     warnings = {f.key: f for f in findings if f.severity == "warning"}
     assert "`auto`" in warnings["fp16.enabled"].message
 
@@ -281,7 +281,7 @@ def test_convert_writes_a_config_that_loads_back(cli, tmp_path):
     out = tmp_path / "run.toml"
     result = cli("convert", _write(tmp_path, config), "-o", out)
     assert result.code == 0, result.text
-    loaded = load_config(out)
+    loaded = load_any(out)
     assert loaded.findings == []
     c = loaded.config
     assert (c.train.global_batch_size, c.train.micro_batch_size) == (32, 4)

@@ -5,8 +5,8 @@ import json
 import pytest
 import yaml
 
-from dstrain.config.load import load_config
-from dstrain.config.preflight import preflight
+from dstrain.interop.load import load_any
+from dstrain.preflight.preflight import preflight
 
 
 def _by_key(findings, severity=None):
@@ -45,7 +45,7 @@ def test_guide_example_with_a_model_checks_the_split(shared, cli):
 
 
 def test_guide_example_maps_every_key(shared):
-    loaded = load_config(shared / "examples/ds_config_guide.json")
+    loaded = load_any(shared / "examples/ds_config_guide.json")
     c = loaded.config
     assert loaded.source == "deepspeed"
     assert (c.parallel.pp, c.parallel.tp, c.parallel.ep) == (8, 4, 8)
@@ -78,13 +78,13 @@ def test_guide_fragments(shared, tmp_path):
     for i, fragment in enumerate(fragments):
         path = tmp_path / f"fragment{i}.json"
         path.write_text(json.dumps(fragment))
-        results.append(preflight(load_config(path), None))
+        results.append(preflight(load_any(path), None))
     first, second, third = (_by_key(r, "error") for r in results)
     # 1: a micro batch with Megatron's global batch is fine; `data_loader_type` is no DeepSpeed
     # key, and DeepSpeed ignores unknown top-level keys: a warning, not an error.
     assert first == {} and "data_loader_type" in _by_key(results[0], "warning")
     second = _by_key(results[1], "warning")
-    assert load_config(tmp_path / "fragment0.json").config.train.micro_batch_size == 4
+    assert load_any(tmp_path / "fragment0.json").config.train.micro_batch_size == 4
     # 2: the virtual-pipeline key is misspelt.
     assert (
         "did you mean `num_layers_per_virtual_pipeline_stage`"
@@ -137,13 +137,13 @@ def test_mistake_fixtures_are_caught(shared, cli):
 
 @pytest.mark.parametrize("name", ["08_onebitadam_lr1e-8_dsexamples_pr63.json"])
 def test_tiny_learning_rate_is_flagged(shared, name):
-    findings = preflight(load_config(shared / "fixtures/deepspeed/mistakes" / name), None)
+    findings = preflight(load_any(shared / "fixtures/deepspeed/mistakes" / name), None)
     assert "optimizer.params.lr (optim.lr)" in _by_key(findings, "warning")
 
 
 def test_hard_coded_fp16_in_an_auto_config_is_flagged(shared):
     path = shared / "fixtures/deepspeed/mistakes/17_fp16_hardcoded_vs_bf16_medicalgpt288.json"
-    findings = _by_key(preflight(load_config(path), None), "warning")
+    findings = _by_key(preflight(load_any(path), None), "warning")
     assert "`auto`" in findings["fp16.enabled"].message
 
 
@@ -162,7 +162,7 @@ def test_valid_fixtures_pass_and_convert(shared, cli, tmp_path, monkeypatch):
         out = tmp_path / f"{path.stem}.toml"
         converted = cli("convert", path, "-o", out)
         assert converted.code == 0, (path.name, converted.text)
-        assert load_config(out).findings == [], path.name
+        assert load_any(out).findings == [], path.name
 
 
 def test_convert_writes_a_config_that_loads_back(shared, cli, tmp_path):
@@ -170,7 +170,7 @@ def test_convert_writes_a_config_that_loads_back(shared, cli, tmp_path):
     source = shared / "fixtures/deepspeed/valid/02_dsexamples_bingbertsquad_bsz24.json"
     result = cli("convert", source, "-o", out)
     assert result.code == 0, result.text
-    loaded = load_config(out)
+    loaded = load_any(out)
     assert loaded.findings == []
     c = loaded.config
     assert (c.train.global_batch_size, c.train.micro_batch_size) == (24, 3)
@@ -211,7 +211,7 @@ def test_megatron_keys_beside_deepspeed(tmp_path):
             }
         )
     )
-    loaded = load_config(path)
+    loaded = load_any(path)
     c = loaded.config
     assert (c.parallel.tp, c.parallel.pp, c.parallel.ep) == (2, 2, 4)
     assert c.model.num_layers == 8 and c.model.dim == 256 and loaded.model_given
@@ -235,7 +235,7 @@ def test_deepspeed_zero_with_pipeline_and_onebit(tmp_path):
             }
         )
     )
-    found = _by_key(preflight(load_config(path), 4), "error")
+    found = _by_key(preflight(load_any(path), 4), "error")
     assert "PipelineEngine" in found["zero_optimization.stage"].message  # DeepSpeed-only limit
     assert "pipeline.stages (parallel.pp)" not in found
     assert "OneBitAdam" in found["optimizer.type"].message
@@ -246,7 +246,7 @@ def test_both_half_precisions_on(tmp_path):
     path.write_text(
         json.dumps({"train_batch_size": 8, "fp16": {"enabled": True}, "bf16": {"enabled": True}})
     )
-    assert "fp16.enabled" in _by_key(preflight(load_config(path), 1), "error")
+    assert "fp16.enabled" in _by_key(preflight(load_any(path), 1), "error")
 
 
 def test_legacy_offload_keys_map_with_a_warning(tmp_path):
@@ -259,6 +259,6 @@ def test_legacy_offload_keys_map_with_a_warning(tmp_path):
             }
         )
     )
-    loaded = load_config(path)
+    loaded = load_any(path)
     assert loaded.config.parallel.offload_optimizer and loaded.config.parallel.offload_params
     assert "zero_optimization.cpu_offload" in _by_key(loaded.findings, "warning")

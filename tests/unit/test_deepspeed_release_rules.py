@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from dstrain.config.ds_keys import RELEASE_ENV
-from dstrain.config.ds_verdict import ENGINE_ENV
-from dstrain.config.load import detect_source, load_config
+from dstrain.interop.ds_keys import RELEASE_ENV
+from dstrain.interop.ds_verdict import ENGINE_ENV
+from dstrain.interop.load import detect_source, load_any
 
 BATCH = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}
 
@@ -22,7 +22,7 @@ def _findings(tmp_path, config: dict, release: str | None = None, monkeypatch=No
         monkeypatch.setenv(RELEASE_ENV, release)
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(config))
-    return {(f.severity, f.key): f for f in load_config(path).findings}
+    return {(f.severity, f.key): f for f in load_any(path).findings}
 
 
 def _errors(found) -> set[str]:

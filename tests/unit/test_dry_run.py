@@ -13,12 +13,12 @@ import pytest
 
 from dstrain.config.flavors import resolve_model_args
 from dstrain.config.load import load_config
-from dstrain.config.preflight import preflight
 from dstrain.errors import UserError
 from dstrain.hardware import gpu_spec
 from dstrain.planner.layout import Cluster, layout_from_config
 from dstrain.planner.legal import trainer_errors
 from dstrain.planner.shape import rank_shapes
+from dstrain.preflight.preflight import preflight
 from dstrain.train.dry_run import dry_run_rank
 from tests.conftest import REPO
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from dstrain.config.load import load_config
-from dstrain.config.preflight import preflight
 from dstrain.config.validate import raise_if_errors
 from dstrain.errors import UserError
+from dstrain.interop.load import load_any
+from dstrain.preflight.preflight import preflight
 
 LAUNCH = (
     "torchrun --nproc_per_node 8 --nnodes 1 pretrain_gpt.py --num-layers 24 --hidden-size 1024 "
@@ -29,7 +29,7 @@ def _levels(findings) -> dict:
 
 
 def _check(tmp_path, flags: str):
-    loaded = load_config(_script(tmp_path, flags))
+    loaded = load_any(_script(tmp_path, flags))
     return loaded, preflight(loaded, None)
 
 
@@ -112,7 +112,7 @@ def test_the_deepspeed_json_and_the_flags_disagree(tmp_path):
         '"gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 1}}\nEOT\n'
         f"{LAUNCH}--deepspeed --deepspeed_config ds.json\n"
     )
-    levels = _levels(preflight(load_config(path), None))
+    levels = _levels(preflight(load_any(path), None))
     assert ("warning", "train_batch_size") in levels  # 64 in the JSON, 32 in the flags
     assert ("error", "gradient_accumulation_steps") in levels  # "auto" is not filled there
 
@@ -124,7 +124,7 @@ def test_an_ms_swift_launch_reads_booleans_as_values(tmp_path):
         "--sequence_parallel true --use_distributed_optimizer true --micro_batch_size 1 "
         "--global_batch_size 16 --overlap_param_gather true --moe_grouped_gemm true\n"
     )
-    loaded = load_config(path)
+    loaded = load_any(path)
     assert loaded.engine == "ms-swift" and loaded.config.parallel.sequence_parallel is True
     assert (loaded.config.cluster.nodes, loaded.config.cluster.gpus_per_node) == (1, 8)
     findings = preflight(loaded, None)
@@ -229,7 +229,7 @@ def test_check_for_dstrain_exits_3_on_what_only_dstrain_cannot_run(cli, tmp_path
 def test_what_deepspeed_does_with_a_value(tmp_path, config, level, key):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(config))
-    findings = preflight(load_config(path), 8)
+    findings = preflight(load_any(path), 8)
     assert (level, key) in _levels(findings), findings
     if level != "error":
         assert not [f for f in findings if f.severity == "error"], findings

@@ -4,14 +4,14 @@ fake backend for the tensor-parallel refusal)."""
 import pytest
 import torch
 
-from dstrain.config import rules
 from dstrain.config.flavors import flavor_args
 from dstrain.config.load import load_config
-from dstrain.config.preflight import preflight
 from dstrain.errors import UserError
 from dstrain.model.fp8_linear import Fp8Linear, apply_fp8, fp8_linears
 from dstrain.model.moe import GroupedExperts
 from dstrain.model.transformer import build_model
+from dstrain.preflight import rules
+from dstrain.preflight.preflight import preflight
 from dstrain.train.dry_run import dry_run_rank
 from dstrain.train.precision import configure_precision
 

@@ -2,9 +2,9 @@
 
 from pathlib import Path
 
-from dstrain.config.launch_script import read_launch_script
-from dstrain.config.load import load_config
-from dstrain.config.preflight import preflight
+from dstrain.interop.launch_script import read_launch_script
+from dstrain.interop.load import load_any
+from dstrain.preflight.preflight import preflight
 
 SCRIPT = Path(__file__).parent / "data" / "moe_launch.slurm"
 
@@ -27,7 +27,7 @@ def test_variables_heredoc_and_sbatch_are_read():
 
 
 def test_script_maps_to_a_checked_config(cli):
-    loaded = load_config(SCRIPT)
+    loaded = load_any(SCRIPT)
     c = loaded.config
     assert loaded.source == "script"
     assert (c.parallel.tp, c.parallel.pp, c.parallel.ep) == (2, 4, 4)
@@ -57,7 +57,7 @@ def test_broken_heredoc_json_is_reported(tmp_path):
         '#!/bin/bash\ncat <<EOT > ds.json\n{"train_batch_size": 8,}\nEOT\n'
         "python pretrain_gpt.py --micro-batch-size 1\n"
     )
-    findings = preflight(load_config(script), 8)
+    findings = preflight(load_any(script), 8)
     assert any(f.key == "deepspeed_config" and f.severity == "error" for f in findings)
 
 
@@ -79,7 +79,7 @@ def test_values_from_outside_the_script_are_named_not_guessed(cli, tmp_path):
     assert "--tensor-model-parallel-size $arg1" in notes and "train_batch_size $GBS" in notes
     world = next(f for f in result.json() if f["key"] == "parallel")
     assert "world size unknown" in world["message"]  # 2 nodes x an unknown GPU count
-    assert load_config(script).config.parallel.pp == 2  # what the script does say is read
+    assert load_any(script).config.parallel.pp == 2  # what the script does say is read
 
 
 def test_a_nemo_launch_reads_its_hydra_overrides(cli, tmp_path):
@@ -90,7 +90,7 @@ def test_a_nemo_launch_reads_its_hydra_overrides(cli, tmp_path):
         "model.tensor_model_parallel_size=4 model.pipeline_model_parallel_size=2 "
         "model.micro_batch_size=1 model.global_batch_size=256 model.encoder_seq_length=4096\n"
     )
-    loaded = load_config(script)
+    loaded = load_any(script)
     c = loaded.config
     assert loaded.engine == "NeMo"
     assert (c.parallel.tp, c.parallel.pp, c.cluster.nodes, c.cluster.gpus_per_node) == (4, 2, 2, 8)

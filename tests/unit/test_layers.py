@@ -10,6 +10,8 @@ LAYERS = {
     "errors": 0,
     "hardware": 0,
     "config": 0,
+    "preflight": 0.5,  # the rules `check`, `plan` and the trainer run, over our config
+    "interop": 0.5,  # other engines' files; imported only by check and convert (below)
     "planner": 1,
     "deploy": 1,
     "doctor": 1,
@@ -25,12 +27,15 @@ LAYERS = {
     "__main__": 4,
     "__init__": 4,
 }
-NO_TORCH = {"errors", "hardware", "config", "planner", "deploy"}
+NO_TORCH = {"errors", "hardware", "config", "preflight", "interop", "planner", "deploy"}
 NO_TORCH_DISTRIBUTED = NO_TORCH | {"model", "data", "doctor"}
 # The engines' own verdicts run DeepSpeed and Megatron-Core, which bring torch with them: these
 # may import torch inside a function, only once the engine is installed and asked, never at
 # module level (check stays torch-free without them).
-ENGINE_JUDGES = {"config/ds_initialize.py", "config/megatron_verdict.py"}
+ENGINE_JUDGES = {"interop/ds_initialize.py", "interop/megatron_verdict.py"}
+# Only these commands read other engines' files: the trainer's floor does not carry their
+# catalogues (DeepSpeed's keys, Megatron's arguments).
+INTEROP_READERS = {"cli/check.py", "cli/convert.py"}
 
 
 def _modules():
@@ -80,4 +85,14 @@ def test_laptop_layers_import_no_torch():
                 wrong.append(f"{path.relative_to(PACKAGE)} imports {name}")
             if top in NO_TORCH_DISTRIBUTED and name.startswith("torch.distributed"):
                 wrong.append(f"{path.relative_to(PACKAGE)} imports {name}")
+    assert not wrong, wrong
+
+
+def test_only_check_and_convert_import_other_engines():
+    wrong = []
+    for path, top, tree in _modules():
+        where = str(path.relative_to(PACKAGE))
+        if top == "interop" or where in INTEROP_READERS:
+            continue
+        wrong += [f"{where} imports {n}" for n in _imports(tree) if n.startswith("dstrain.interop")]
     assert not wrong, wrong

@@ -4,9 +4,9 @@ only part of the architecture given, and the engine a script runs picking the ru
 
 import pytest
 
-from dstrain.config.load import load_config
-from dstrain.config.megatron_split import pipeline_split
-from dstrain.config.preflight import preflight
+from dstrain.interop.load import load_any
+from dstrain.interop.megatron_split import pipeline_split
+from dstrain.preflight.preflight import preflight
 
 TORCHRUN = "torchrun --nproc_per_node 8 pretrain_gpt.py "
 MODEL = (
@@ -17,7 +17,7 @@ MODEL = (
 def _findings(tmp_path, line: str, world: int | None = None):
     path = tmp_path / "run.sh"
     path.write_text(f"#!/bin/bash\n{line}\n")
-    loaded = load_config(path)
+    loaded = load_any(path)
     return loaded, preflight(loaded, world)
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from dstrain.config import megatron_split
-from dstrain.config.load import load_config
-from dstrain.config.megatron_verdict import ENGINE_ENV, ENGINE_KEY, engine_verdict
+from dstrain.interop import megatron_split
+from dstrain.interop.load import load_any
+from dstrain.interop.megatron_verdict import ENGINE_ENV, ENGINE_KEY, engine_verdict
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"
@@ -27,7 +27,7 @@ def engine_on(monkeypatch):
 
 
 def _verdicts(path: Path) -> list:
-    return [f for f in load_config(path).findings if f.key == ENGINE_KEY]
+    return [f for f in load_any(path).findings if f.key == ENGINE_KEY]
 
 
 def test_a_working_uneven_interleaved_split_is_megatrons_own():

@@ -8,8 +8,8 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dstrain.config.ds_keys import DS_SECTION_KEYS, DS_TOP_LEVEL
-from dstrain.config.explain import explain
+from dstrain.interop.ds_keys import DS_SECTION_KEYS, DS_TOP_LEVEL
+from dstrain.preflight.explain import explain
 from tests.conftest import SHARED, run_cli
 
 KEYS = [d.key for d in explain()]

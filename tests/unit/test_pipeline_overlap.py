@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from dstrain.config.rules import OVERLAPPED_SCHEDULES
 from dstrain.metrics import pipeline_timer
 from dstrain.metrics.pipeline_timer import PipelineTimer
 from dstrain.parallel import pipeline_overlap
 from dstrain.parallel.pipeline_overlap import BACKWARD, FORWARD, Turns
+from dstrain.preflight.rules import OVERLAPPED_SCHEDULES
 
 
 def _run_sides(forward_steps: int, backward_steps: int) -> list[str]:

@@ -4,7 +4,7 @@ import pytest
 
 from dstrain.config.load import load_config
 from dstrain.config.parallel_dims import stage_trim
-from dstrain.config.preflight import preflight
+from dstrain.preflight.preflight import preflight
 
 
 def findings(*overrides: str, world: int | None = None):

@@ -6,12 +6,12 @@ Megatron-style keys that people put beside DeepSpeed's are mapped by `megatron.p
 
 from typing import Any
 
-from dstrain.config import ds_lint, megatron
-from dstrain.config.ds_engine import ONE_BIT, deepspeed_true, uses_auto
-from dstrain.config.ds_keys import release
-from dstrain.config.ds_verdict import engine_verdict
 from dstrain.config.findings import error, info, warning
-from dstrain.config.imported import (
+from dstrain.interop import ds_lint, megatron
+from dstrain.interop.ds_engine import ONE_BIT, deepspeed_true, uses_auto
+from dstrain.interop.ds_keys import release
+from dstrain.interop.ds_verdict import engine_verdict
+from dstrain.interop.imported import (
     AUTO,
     DEFAULT_JUDGES,
     Imported,

@@ -9,9 +9,9 @@ when it fails instead of guessing.
 
 from typing import Any
 
-from dstrain.config.ds_keys import DS_REMOVED_TOP_LEVEL, DS_REMOVED_ZERO, Release
 from dstrain.config.findings import Finding, error, info, warning
-from dstrain.config.imported import AUTO, LAX_BOOL_WORDS, lax_value
+from dstrain.interop.ds_keys import DS_REMOVED_TOP_LEVEL, DS_REMOVED_ZERO, Release
+from dstrain.interop.imported import AUTO, LAX_BOOL_WORDS, lax_value
 
 ONE_BIT = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
 _FALSE_WORDS = ("false", "0", "no", "off")

@@ -4,7 +4,7 @@ accelerator. What DeepSpeed's config loader accepts but its engine refuses once 
 optimizer or takes a step (a gradient_clipping written as a string, an optimizer its builder
 cannot make) shows here, in the engine's own words.
 
-It runs in a child process (`python -m dstrain.config.ds_initialize`), which keeps DeepSpeed's
+It runs in a child process (`python -m dstrain.interop.ds_initialize`), which keeps DeepSpeed's
 global state, its process group and its op compiles out of check's process. The child reads one
 JSON request per stdin line and answers one JSON line each, so a benchmark judges many configs
 with one start.
@@ -52,7 +52,7 @@ def initialize(configs: list[tuple[dict[str, Any], int]]) -> list[Answer]:
     lines = "".join(json.dumps({"config": c, "world": w}) + "\n" for c, w in configs)
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "dstrain.config.ds_initialize"],
+            [sys.executable, "-m", "dstrain.interop.ds_initialize"],
             input=lines,
             capture_output=True,
             text=True,

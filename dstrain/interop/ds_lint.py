@@ -6,9 +6,11 @@ import json
 import re
 from typing import Any
 
-from dstrain.config import megatron
-from dstrain.config.ds_engine import engine_rules
-from dstrain.config.ds_keys import (
+from dstrain.config.findings import Finding, error, info, warning
+from dstrain.config.suggest import closest
+from dstrain.interop import megatron
+from dstrain.interop.ds_engine import engine_rules
+from dstrain.interop.ds_keys import (
     DS_DEPRECATED,
     DS_OPAQUE_SECTIONS,
     DS_OPTIMIZER_PARAMS,
@@ -18,8 +20,6 @@ from dstrain.config.ds_keys import (
     DS_TOP_LEVEL,
     Release,
 )
-from dstrain.config.findings import Finding, error, info, warning
-from dstrain.config.suggest import closest
 
 REJECTED_OPTIMIZER_PARAMS = DS_REJECTED_OPTIMIZER_PARAMS
 HINT = (

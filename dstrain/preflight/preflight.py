@@ -10,9 +10,9 @@ from dstrain.config.findings import Finding, error, info
 from dstrain.config.flavors import resolve_model_args
 from dstrain.config.load import LoadedConfig
 from dstrain.config.model_args import ModelArgs
-from dstrain.config.rules import CheckTarget, run_rules
 from dstrain.errors import UserError
 from dstrain.hardware import GPUSpec, gpu_spec
+from dstrain.preflight.rules import CheckTarget, run_rules
 
 
 def preflight(loaded: LoadedConfig, world_size: int | None) -> list[Finding]:

@@ -8,10 +8,10 @@ accepted alike (`--tensor-model-parallel-size` is `tensor_model_parallel_size`).
 from collections.abc import Callable
 from typing import Any
 
-from dstrain.config import megatron_split
-from dstrain.config.ds_keys import MEGATRON_ARGS
 from dstrain.config.findings import error, info, trainer_limit
-from dstrain.config.imported import Imported, as_bool, as_float, as_int
+from dstrain.interop import megatron_split
+from dstrain.interop.ds_keys import MEGATRON_ARGS
+from dstrain.interop.imported import Imported, as_bool, as_float, as_int
 
 # Megatron dest -> (dstrain key, kind). Kinds: int, float, bool, str.
 _DIRECT: dict[str, tuple[str, str]] = {

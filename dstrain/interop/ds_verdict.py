@@ -14,9 +14,9 @@ from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
-from dstrain.config import ds_initialize
 from dstrain.config.findings import Finding, error, info
-from dstrain.config.imported import AUTO
+from dstrain.interop import ds_initialize
+from dstrain.interop.imported import AUTO
 
 ENGINE_ENV = "DSTRAIN_DEEPSPEED_ENGINE"  # "0": judge by the offline rules alone
 ENGINE_KEY = "deepspeed engine"

@@ -16,12 +16,10 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from dstrain.config import megatron, megatron_engine, megatron_verdict
-from dstrain.config.deepspeed import from_deepspeed
 from dstrain.config.findings import error, info
-from dstrain.config.imported import DEFAULT_JUDGES, Imported, Judges
-
-SCRIPT_SUFFIXES = {".sh", ".bash", ".slurm", ".sbatch"}
+from dstrain.interop import megatron, megatron_engine, megatron_verdict
+from dstrain.interop.deepspeed import from_deepspeed
+from dstrain.interop.imported import DEFAULT_JUDGES, Imported, Judges
 
 _ASSIGN = re.compile(r"^\s*(?:export\s+|local\s+|declare\s+(?:-\w+\s+)?)?([A-Za-z_]\w*)=(.*)$")
 _VAR = re.compile(r"\$\{([A-Za-z_]\w*)(?::?-([^}]*))?\}|\$([A-Za-z_]\w*)")
@@ -54,10 +52,6 @@ class ScriptFacts:
     nemo_overrides: dict[str, Any] = field(default_factory=dict)  # NeMo's Hydra overrides
     swift: bool = False  # ms-swift's `megatron sft|pt|rlhf` launcher (Megatron-SWIFT)
     spellings: dict[str, str] = field(default_factory=dict)  # flag -> as written, no dashes
-
-
-def looks_like_script(suffix: str, text: str) -> bool:
-    return suffix.lower() in SCRIPT_SUFFIXES or text.startswith("#!")
 
 
 def read_launch_script(text: str) -> ScriptFacts:

@@ -15,8 +15,8 @@ import warnings
 from importlib.util import find_spec
 from typing import Any
 
-from dstrain.config import megatron_split
 from dstrain.config.findings import Finding, error, info, warning
+from dstrain.interop import megatron_split
 
 ENGINE_ENV = "DSTRAIN_MEGATRON_ENGINE"  # "0": judge by the offline rules alone
 ENGINE_KEY = "megatron-core engine"
