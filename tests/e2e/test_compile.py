@@ -5,6 +5,7 @@ process and under dp2 x ep2 ZeRO-1 (where expert parallelism's split sizes break
 import json
 
 import pytest
+import torch
 
 from dstrain.config.load import load_config
 from dstrain.train.trainer import Trainer
@@ -35,8 +36,14 @@ def _train(root, common, name, *overrides):
 def test_compiled_one_process_matches_eager(setup, precision):  # noqa: F811
     root, common, _ = setup
     common = [*_without_eval(common), f"train.steps={STEPS}", f"train.precision={precision}"]
+    counters = torch._dynamo.utils.counters
+    counters.clear()
     eager = _train(root, common, f"eager_{precision}")
+    assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
     compiled = _train(root, common, f"compiled_{precision}", "train.compile=true")
+    # Dynamo's own count: the blocks were compiled (a no-op apply_compile passes the losses).
+    assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
+    assert counters["stats"]["calls_captured"] > 0, dict(counters["stats"])
     worst = max(abs(a - b) / a for a, b in zip(eager, compiled, strict=True))
     print(f"compile {precision}: max loss rel diff to eager {worst:.1e}")
     assert worst <= RTOL[precision], worst

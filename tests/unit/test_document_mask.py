@@ -6,6 +6,7 @@ is refused before anything is built (context parallelism runs it). Parity across
 tests/distributed/test_document_mask.py."""
 
 import json
+import math
 import sysconfig
 from pathlib import Path
 
@@ -156,7 +157,10 @@ def test_a_run_trains_and_evaluates_with_document_masking(corpus):
     masked.train()
     lines = (corpus / "runs" / "masked" / "metrics.jsonl").read_text().splitlines()
     last = json.loads(lines[-1])
-    assert last["step"] == 3 and last["loss/main"] < 1e3 and "eval/loss" in last
+    first = json.loads(lines[0])
+    print(f"doc-masked loss: step 1 {first['loss/main']:.4f}, step 3 {last['loss/main']:.4f}")
+    assert last["step"] == 3 and "eval/loss" in last
+    assert math.isfinite(last["loss/main"]) and last["loss/main"] < first["loss/main"]  # trains
 
 
 @pytest.mark.parametrize("layout", ["parallel.pp=2"])
