@@ -1,19 +1,29 @@
 """`model.init_from` into every kind of layout: the same tiny DeepseekV3 checkpoint (fp32, and FP8
 with block scales) loaded under dp_shard2 (FSDP2), dp_shard2 x ep2 (per local expert, never
-gathered), tp2 + SP and pp2, each rank reading only its slices: the first step's loss equals
+gathered), tp2 + SP and pp2, each rank reading only its slices: every loaded tensor, gathered, is
+the checkpoint's bit for bit (FP8: its dequantised value), and the first step's loss equals
 transformers' on the same global batch (fp32 within 1e-4; measured 0 to 1e-7) and, from FP8, the
 one-process FP8 load's."""
 
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
 from tests.distributed.harness import run_ranks  # noqa: E402
 from tests.distributed.test_parity_matrix import _losses  # noqa: E402
 from tests.hf_models import hf_loss, hf_model, save, save_fp8  # noqa: E402
-from tests.unit.test_init_from import _first_step, _trainer, corpus  # noqa: E402, F401
+from tests.unit.test_init_from import (  # noqa: E402
+    BLOCK,
+    _first_step,
+    _trainer,
+    assert_bit_for_bit,
+    checkpoint_tensors,
+    corpus,  # noqa: F401 (fixture)
+    loaded_as_checkpoint,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -44,12 +54,18 @@ def _common(root, folder):
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
 def test_every_layout_starts_from_the_checkpoints_loss(corpus, tmp_path, fp8):  # noqa: F811
     hf = hf_model("v3")
-    folder = save_fp8(hf, tmp_path / "fp8", 32) if fp8 else save(hf, tmp_path / "fp32")
-    one, batches = _first_step(_trainer(corpus, folder))
+    folder = save_fp8(hf, tmp_path / "fp8", BLOCK) if fp8 else save(hf, tmp_path / "fp32")
+    trainer = _trainer(corpus, folder)
+    args = trainer.model.args
+    one, batches = _first_step(trainer)
     reference = one if fp8 else hf_loss(hf, batches)
     assert abs(one - reference) <= 1e-4 * reference
-    spec = {"common": _common(corpus, folder), "layouts": LAYOUTS}
+    spec = {"common": _common(corpus, folder), "layouts": LAYOUTS, "save_initial": True}
     ranks = run_ranks(2, "train_layouts", tmp_path / "out", json.dumps(spec), timeout=600)
+    files = checkpoint_tensors(folder, BLOCK)
+    for name in LAYOUTS:  # every slice each rank read, gathered: the checkpoint's own tensors
+        state = torch.load(tmp_path / "out" / f"{name}.initial.pt")
+        assert_bit_for_bit(loaded_as_checkpoint(state, args), files, args)
     for name in ("dp2", "dp2_ep2"):  # sharded: each rank reads about half of the checkpoint
         share = [r[name]["init_from_read"] / r[name]["init_from_total"] for r in ranks]
         print(f"init_from {name}: each rank read {', '.join(f'{s:.2f}' for s in share)}")

@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 
 from dstrain.config.load import load_config  # noqa: E402
 from dstrain.errors import UserError  # noqa: E402
+from dstrain.model.hf_adapter import to_hf, with_mtp_copies  # noqa: E402
 from dstrain.model.hf_load import HFCheckpoint  # noqa: E402
 from dstrain.train.trainer import Trainer  # noqa: E402
 from tests.hf_models import dequantise_block, hf_loss, hf_model, save, save_fp8  # noqa: E402
@@ -66,6 +67,51 @@ def test_the_first_step_loss_is_transformers(corpus, tmp_path, kind, dtype):
     reference = hf_loss(hf.to(dtype).to(torch.float32), batches)
     print(f"init_from {kind} {dtype}: ours {ours:.6f}, transformers {reference:.6f}")
     assert abs(ours - reference) <= FP32_RTOL * reference, (ours, reference)
+
+
+def checkpoint_tensors(folder, block: int | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors as transformers wrote them (an FP8 weight dequantised with its
+    block scales, in fp32 as the loader keeps it)."""
+    from safetensors.torch import load_file
+
+    raw = {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+    out = {}
+    for name, tensor in raw.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if f"{name}_scale_inv" in raw:
+            tensor = dequantise_block(tensor, raw[f"{name}_scale_inv"], block).float()
+        out[name] = tensor
+    return out
+
+
+def loaded_as_checkpoint(state: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
+    """Our state dict under the checkpoint's names (the exporter's map, which transformers itself
+    checks in the export tests), with MTP's copies of the embedding and head."""
+    return with_mtp_copies(to_hf(state, args), args)
+
+
+def assert_bit_for_bit(ours: dict[str, torch.Tensor], files: dict[str, torch.Tensor], args):
+    """Every tensor of the checkpoint is loaded exactly; ours may add only V2's zero routing
+    biases (V2 has none; the balancing bias starts at zero)."""
+    extra = set(ours) - set(files)
+    assert all(k.endswith("e_score_correction_bias") for k in extra), sorted(extra)
+    assert all(not ours[k].any() for k in extra), sorted(extra)
+    assert set(files) <= set(ours), sorted(set(files) - set(ours))
+    unequal = [k for k in files if not torch.equal(ours[k], files[k].to(ours[k].dtype))]
+    assert not unequal, unequal
+
+
+@pytest.mark.parametrize("kind, fp8", [("v3", False), ("v2", False), ("v3", True)])
+def test_every_loaded_tensor_is_the_checkpoints_bit_for_bit(corpus, tmp_path, kind, fp8):
+    """Not a loss (a swapped half of q_b_proj moves the first loss by 4e-6, zeroed routing
+    biases by 1e-5): every tensor, against the files transformers wrote."""
+    hf = hf_model(kind)
+    name = f"{kind}-{'fp8' if fp8 else 'fp32'}-bits"
+    folder = save_fp8(hf, tmp_path / name, BLOCK) if fp8 else save(hf, tmp_path / name)
+    model = _trainer(corpus, folder).model
+    ours = loaded_as_checkpoint(model.state_dict(), model.args)
+    assert_bit_for_bit(ours, checkpoint_tensors(folder, BLOCK), model.args)
 
 
 def test_fp8_dequantises_exactly_and_costs_its_quantisation_error(corpus, tmp_path):

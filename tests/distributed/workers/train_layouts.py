@@ -3,8 +3,9 @@
 argv: OUT_DIR JSON, where JSON is {"common": [overrides], "layouts": {name: [overrides]}} and
 optionally "stop_at": N, to stop every layout after N steps with a checkpoint (a run cut short,
 its LR schedule still the whole run's), or "init_only": true, to save each layout's initial
-weights without training. Each rank returns, per layout, its final loss and its own record of
-every step: whether it skipped the update and its loss scale after it (fp16 runs must agree).
+weights without training ("save_initial": true saves them as NAME.initial.pt and trains on).
+Each rank returns, per layout, its final loss and its own record of every step: whether it
+skipped the update and its loss scale after it (fp16 runs must agree).
 Under pipeline parallelism each rank holds some layers: the full state dicts of all ranks are
 merged (the MTP copy of the tied embedding is checked against the embedding, then dropped).
 """
@@ -78,6 +79,10 @@ def train_all(out_dir):
             done[name] = 0.0
             dist.barrier()
             continue
+        if spec.get("save_initial"):  # the loaded weights too, before the first step
+            state = full_weights(trainer)
+            if dist.get_rank() == 0:
+                torch.save(state, out_dir / f"{name}.initial.pt")
         if "stop_at" in spec:
             done[name] = cut_short(trainer, spec["stop_at"])
             continue
