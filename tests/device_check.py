@@ -16,23 +16,16 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
+from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 DEVICE = torch.device("meta")
-COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_single",
-    "reduce_scatter_tensor",
-    "broadcast",
-    "all_to_all_single",
-    "reduce",
-)
-# torch's functional collectives (context parallelism's gather, its gradient's reduce-scatter,
-# the balance loss's sums), recorded as "funcol.<name>"
-FUNCTIONAL = ("all_gather_single", "reduce_scatter_single", "all_reduce")
+# Every collective reaches the dispatcher as an op of these namespaces, whoever calls it:
+# torch.distributed's (c10d.allreduce_, c10d.send, c10d.recv_, ...), the functional ones
+# (_c10d_functional.*: context parallelism's gather, the EP dispatch, DTensor's TP collectives),
+# and pipeline p2p. Recorded there, not by wrapping Python functions a caller may have imported.
+NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd"}
 
 
 class _Scalars(TorchDispatchMode):
@@ -46,6 +39,11 @@ class _Scalars(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.namespace in NAMESPACES and func._opname not in NOT_COLLECTIVES:
+            values = (*args, *kwargs.values())
+            devices = tuple(t.device.type for value in values for t in _tensors(value))
+            self.recorded.calls.append((f"{func.namespace}.{func._opname}", devices))
+            return func(*args, **kwargs)
         source = args[0] if args else None
         if func is torch.ops.aten._local_scalar_dense.default and source.is_meta:
             self.recorded.syncs.append("item")
@@ -101,26 +99,13 @@ def device_check(
     world_size: int = 2, rank: int = 0, answer: Answer | None = None
 ) -> Iterator[Recorded]:
     """Inside: a fake process group of `world_size`, data-less scalars, and a record of every
-    collective's tensor devices. Put the model and its inputs on `DEVICE`."""
+    collective's tensor devices (as "namespace.op", e.g. "c10d.allreduce_"). Put the model and
+    its inputs on `DEVICE`."""
     recorded = Recorded()
-    originals = {name: getattr(dist, name) for name in COLLECTIVES}
-    functional = {name: getattr(funcol, name) for name in FUNCTIONAL}
-
-    def recording(name: str, original):
-        @functools.wraps(original)
-        def call(*args, **kwargs):
-            values = (*args, *kwargs.values())
-            devices = tuple(t.device.type for value in values for t in _tensors(value))
-            recorded.calls.append((name, devices))
-            return original(*args, **kwargs)
-
-        return call
-
-    dist.init_process_group("fake", rank=rank, world_size=world_size)
-    for name, original in originals.items():
-        setattr(dist, name, recording(name, original))
-    for name, original in functional.items():
-        setattr(funcol, name, recording(f"funcol.{name}", original))
+    # A fake backend for meta too: pipeline p2p (batch_isend_irecv) asks for the tensors' device.
+    dist.init_process_group(
+        "cpu:fake,meta:fake", rank=rank, world_size=world_size, store=FakeStore()
+    )
     tolist = torch.Tensor.tolist
     torch.Tensor.tolist = _tolist(tolist, recorded, answer)
     try:
@@ -128,8 +113,4 @@ def device_check(
             yield recorded
     finally:
         torch.Tensor.tolist = tolist
-        for name, original in originals.items():
-            setattr(dist, name, original)
-        for name, original in functional.items():
-            setattr(funcol, name, original)
         dist.destroy_process_group()

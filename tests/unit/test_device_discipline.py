@@ -10,19 +10,23 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from dstrain.config.schema import LossScaleConfig
 from dstrain.metrics.pipeline_timer import PipelineTimer
 from dstrain.metrics.probes import Probes
 from dstrain.metrics.processor import MetricsProcessor, StepFigures, Throughput, Window
+from dstrain.model import moe
 from dstrain.model.transformer import build_model
 from dstrain.parallel.context_parallel import ContextShard, apply_context_parallel
+from dstrain.parallel.expert_parallel import apply_ep
 from dstrain.parallel.pipeline import TiedEmbedding
 from dstrain.train.agreement import agree
 from dstrain.train.loss_scale import LossScaler
 from dstrain.train.pipeline_step import _gather_loads
 from dstrain.train.step import DataParallel, train_step
 from tests.device_check import DEVICE, device_check
+from tests.unit.test_hot_path import _BalancedRouting
 from tests.unit.tiny import tiny_args
 
 
@@ -68,8 +72,27 @@ def test_context_parallel_keeps_its_collectives_on_the_device():
         apply_context_parallel(model, shard)
         _train_step(model, context=shard)
     names = {name for name, _ in recorded.calls}
-    expected = {"funcol.all_gather_single", "funcol.reduce_scatter_single", "funcol.all_reduce"}
+    expected = {
+        "_c10d_functional.all_gather_into_tensor",  # the latent's gather
+        "_c10d_functional.reduce_scatter_tensor",  # its gradient
+        "_c10d_functional.all_reduce",  # the balance loss's sums
+    }
     assert expected <= names, names
+    assert recorded.off_device() == []
+
+
+def test_an_expert_parallel_step_keeps_its_dispatch_on_the_device(monkeypatch):
+    """ep2: the tokens' all-to-all out to the experts' ranks and back (functional collectives,
+    with their split sizes), beside the step's reductions, all on the run's device."""
+    args = tiny_args()
+    routing = _BalancedRouting(args.num_routed_experts, 2)
+    monkeypatch.setattr(moe, "count_per_expert", routing.counting(moe.count_per_expert))
+    with device_check(world_size=2, answer=routing.answer) as recorded:
+        model = _on_device(build_model(args, device=None))
+        apply_ep(model, DeviceMesh("cpu", [0, 1]))
+        _train_step(model)
+    names = [name for name, _ in recorded.calls]
+    assert names.count("_c10d_functional.all_to_all_single") >= 4, names  # out and back, x2
     assert recorded.off_device() == []
 
 
@@ -80,7 +103,7 @@ def test_the_overflow_and_preemption_agreement_stays_on_the_device():
         overflow = LossScaler(LossScaleConfig(), enabled=True).unscale([param], DEVICE)
         one = torch.ones((), device=DEVICE)
         agree(one, one, overflow, preempting=True)
-    assert recorded.calls == [("all_reduce", ("meta",))]
+    assert recorded.calls == [("c10d.allreduce_", ("meta",))]
 
 
 def test_the_pipeline_timer_reduces_on_the_device():
