@@ -63,7 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_config_args(parser)
+    add_config_args(parser, foreign=True)
     parser.add_argument("--world-size", type=positive_int, metavar="N", help="total ranks (GPUs)")
     parser.add_argument(
         "--nodes", type=positive_int, metavar="N", help="nodes (with --gpus-per-node)"

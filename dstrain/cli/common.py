@@ -17,15 +17,23 @@ def console(stderr: bool = False) -> Console:
     return Console(stderr=stderr, highlight=False, soft_wrap=True)
 
 
-def add_config_args(parser: argparse.ArgumentParser, required: bool = False) -> None:
-    """CONFIG (TOML/YAML/JSON, dstrain's own or DeepSpeed's) and repeatable --set overrides."""
+def add_config_args(
+    parser: argparse.ArgumentParser, required: bool = False, foreign: bool = False
+) -> None:
+    """CONFIG and repeatable --set overrides. `foreign`: the command also reads other engines'
+    files (check, convert); the others take dstrain's own config."""
+    what = (
+        "dstrain TOML/YAML/JSON, a DeepSpeed JSON (Megatron keys allowed) or a Megatron / "
+        "NeMo / ms-swift launch script"
+        if foreign
+        else "dstrain TOML/YAML/JSON (another engine's file: `dstrain convert` it first)"
+    )
     parser.add_argument(
         "config",
         nargs=None if required else "?",
         type=Path,
         metavar="CONFIG",
-        help="config file: dstrain TOML/YAML/JSON, or a DeepSpeed JSON (Megatron keys allowed)"
-        + ("" if required else "; omitted = the built-in defaults"),
+        help=f"config file: {what}" + ("" if required else "; omitted = the built-in defaults"),
     )
     add_set_arg(
         parser,

@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "unknown or misspelt keys are errors and nothing is written.",
         epilog="example: dstrain convert ds_config.json -o run.toml --set model.flavor=debug",
     )
-    add_config_args(parser, required=True)
+    add_config_args(parser, required=True, foreign=True)
     parser.add_argument("-o", "--output", type=Path, required=True, help="TOML file to write")
     add_json_flag(parser)
     parser.set_defaults(func=run)
