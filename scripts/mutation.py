@@ -1,0 +1,237 @@
+"""Mutation testing with cosmic-ray (pinned in the `mutation` extra), module group by group, each
+against its own tests: how many mutants of the code the tests kill, and which survive.
+
+    pip install -c constraints.txt -e '.[test,mutation]'
+    python scripts/mutation.py --group step               # every mutant: slow (hours for all)
+    python scripts/mutation.py --group all --sample 40    # 40 mutants per group, seeded
+    python scripts/mutation.py --group rules --json
+
+Each group runs in a copy of the checkout's HEAD (cosmic-ray rewrites files in place), with the
+copy first on the path so the mutated sources are the ones imported. A mutant is killed when its
+tests fail or time out; "incompetent" (the mutated code does not import or its test command
+cannot run) is counted apart. Not in CI: one group takes from minutes to hours on 2 cores.
+"""
+
+import argparse
+import json
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTEST = "python -m pytest -x -q -p no:cacheprovider -p no:randomly"
+
+
+@dataclass(frozen=True)
+class Group:
+    modules: tuple[str, ...]
+    tests: tuple[str, ...]
+
+
+# The issue's modules, each with the tests that claim to cover it (unit tiers: a mutant run must
+# take seconds, not the distributed tier's minutes).
+GROUPS = {
+    "step": Group(
+        ("dstrain/train/step.py", "dstrain/train/loss.py", "dstrain/train/loss_scale.py"),
+        (
+            "tests/unit/test_train_step.py",
+            "tests/unit/test_train_parts.py",
+            "tests/unit/test_device_discipline.py",
+        ),
+    ),
+    "moe": Group(
+        ("dstrain/model/moe.py", "dstrain/parallel/expert_parallel.py"),
+        (
+            "tests/unit/test_model_moe.py",
+            "tests/unit/test_model_router.py",
+            "tests/unit/test_device_discipline.py",
+        ),
+    ),
+    "hf": Group(
+        ("dstrain/model/hf_load.py", "dstrain/model/hf_adapter.py"),
+        ("tests/unit/test_init_from.py", "tests/unit/test_hf_parity.py"),
+    ),
+    "fp8": Group(
+        ("dstrain/model/fp8.py", "dstrain/model/fp8_linear.py"),
+        ("tests/unit/test_fp8.py", "tests/unit/test_fp8_accumulation.py"),
+    ),
+    "checkpoint": Group(
+        ("dstrain/checkpoint/store.py", "dstrain/checkpoint/resume.py"),
+        ("tests/unit/test_checkpoint_store.py", "tests/unit/test_ckpt_cli.py"),
+    ),
+    "rules": Group(("dstrain/preflight/rules.py",), ("tests/unit/test_rules.py",)),
+}
+
+
+@dataclass
+class Outcome:
+    module: str
+    line: int
+    operator: str
+    result: str  # killed, survived, incompetent
+
+
+@dataclass
+class Report:
+    group: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    total_mutants: int = 0
+    seconds: float = 0.0
+
+    def counts(self) -> Counter:
+        return Counter(o.result for o in self.outcomes)
+
+    def killed_share(self) -> float:
+        counts = self.counts()
+        judged = counts["killed"] + counts["survived"]
+        return counts["killed"] / judged if judged else 0.0
+
+
+def _copy_of_head(into: Path) -> Path:
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "HEAD"], capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+def _existing(paths: tuple[str, ...], root: Path) -> list[str]:
+    return [p for p in paths if (root / p).exists()]
+
+
+def _work_items(module: str, tests: list[str], workdir: Path) -> list[dict]:
+    """Every mutation cosmic-ray would make of `module`: (operator, occurrence, line)."""
+    config = workdir / "cr.toml"
+    config.write_text(
+        "[cosmic-ray]\n"
+        f'module-path = "{module}"\n'
+        "timeout = 120.0\n"
+        "excluded-modules = []\n"
+        f'test-command = "{PYTEST} {" ".join(tests)}"\n'
+        '[cosmic-ray.distributor]\nname = "local"\n'
+    )
+    session = workdir / f"{Path(module).stem}.sqlite"
+    session.unlink(missing_ok=True)
+    subprocess.run(["cosmic-ray", "init", str(config), str(session)], cwd=workdir, check=True)
+    dump = subprocess.run(
+        ["cosmic-ray", "dump", str(session)], cwd=workdir, capture_output=True, text=True
+    ).stdout
+    items = []
+    for line in dump.splitlines():
+        item, _ = json.loads(line)
+        for mutation in item["mutations"]:
+            items.append(
+                {
+                    "module": module,
+                    "operator": mutation["operator_name"],
+                    "occurrence": mutation["occurrence"],
+                    "line": mutation["start_pos"][0],
+                }
+            )
+    return items
+
+
+def _run_one(item: dict, tests: list[str], workdir: Path, timeout: float) -> str:
+    command = [
+        "cosmic-ray",
+        "mutate-and-test",
+        item["module"],
+        item["operator"],
+        str(item["occurrence"]),
+        f"{PYTEST} {' '.join(tests)}",
+    ]
+    env = {**dict(__import__("os").environ), "PYTHONPATH": str(workdir)}
+    try:
+        done = subprocess.run(
+            command, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=env
+        )
+    except subprocess.TimeoutExpired:
+        subprocess.run(["git", "-C", str(workdir), "checkout", "--", item["module"]], check=False)
+        return "killed"  # a mutant that hangs its tests is caught (by the timeout)
+    try:
+        outcome = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return "incompetent"
+    test_outcome = outcome.get("test_outcome") or ""
+    return {"killed": "killed", "survived": "survived"}.get(test_outcome, "incompetent")
+
+
+def run_group(name: str, sample: int | None, seed: int, timeout: float) -> Report:
+    group = GROUPS[name]
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"mutation-{name}-") as tmp:
+        workdir = _copy_of_head(Path(tmp))
+        subprocess.run(["git", "init", "-q"], cwd=workdir, check=True)  # to restore a timeout
+        subprocess.run(["git", "add", "-A"], cwd=workdir, check=True)
+        subprocess.run(
+            ["git", "-c", "user.name=m", "-c", "user.email=m@m", "commit", "-qm", "head"],
+            cwd=workdir,
+            check=True,
+        )
+        tests = _existing(group.tests, workdir)
+        items = [
+            i for m in _existing(group.modules, workdir) for i in _work_items(m, tests, workdir)
+        ]
+        report = Report(name, total_mutants=len(items))
+        chosen = (
+            random.Random(seed).sample(items, sample) if sample and sample < len(items) else items
+        )
+        for n, item in enumerate(chosen, start=1):
+            result = _run_one(item, tests, workdir, timeout)
+            report.outcomes.append(Outcome(item["module"], item["line"], item["operator"], result))
+            print(
+                f"\r{name}: {n}/{len(chosen)} mutants, {report.counts()['killed']} killed",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+        print(file=sys.stderr)
+    report.seconds = time.perf_counter() - began
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--group", choices=[*GROUPS, "all"], default="all")
+    parser.add_argument("--sample", type=int, help="mutants per group, drawn with --seed")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if shutil.which("cosmic-ray") is None:
+        print("cosmic-ray is not installed: pip install -e '.[mutation]'", file=sys.stderr)
+        return 2
+    names = list(GROUPS) if args.group == "all" else [args.group]
+    reports = [run_group(n, args.sample, args.seed, args.timeout) for n in names]
+    if args.json:
+        print(
+            json.dumps(
+                [r.__dict__ | {"outcomes": [o.__dict__ for o in r.outcomes]} for r in reports],
+                indent=2,
+            )
+        )
+        return 0
+    print("| group | mutants (of all) | killed | survived | incompetent | killed share | time |")
+    print("|---|---|---|---|---|---|---|")
+    for r in reports:
+        c = r.counts()
+        print(
+            f"| {r.group} | {len(r.outcomes)} (of {r.total_mutants}) | {c['killed']} | "
+            f"{c['survived']} | {c['incompetent']} | {100 * r.killed_share():.0f} % | "
+            f"{r.seconds / 60:.0f} min |"
+        )
+    for r in reports:
+        for o in r.outcomes:
+            if o.result == "survived":
+                print(f"survived: {o.module}:{o.line} {o.operator}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
