@@ -115,6 +115,10 @@ def test_clipping_scales_the_update_by_max_norm_over_the_norm():
     assert worst < 1e-11, worst
     moved = max((p.detach() - start[n]).abs().max().item() for n, p in clipped.named_parameters())
     assert moved > 1e-4  # what an unclipped update would add on top: 3x as much
+    # A bound above the norm leaves the update alone (the factor is capped at 1, not scaled up).
+    loose = _model()
+    _step(loose, [batch], optim="sgd", grad_clip=4 * norm, weight_decay=0.0)
+    assert _max_diff(loose, free) == 0.0
 
 
 def test_bf16_autocast_step_is_finite():
