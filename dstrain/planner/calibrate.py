@@ -162,20 +162,25 @@ def _cluster(summary: dict, config, lines: dict[str, list[float]], world: int) -
     if mfu <= 0:
         raise UserError("the run logged no MFU, so its device's peak is unknown", "")
     peak = _median(lines, "throughput/tflops_per_device") / mfu
-    cpu = GPUSpec(
+    return Cluster(cpu_device(peak, 1e3), world, world, CPU_LOOPBACK_GBPS)
+
+
+def cpu_device(peak_tflops: float, memory_gb: float) -> GPUSpec:
+    """A run's own CPU as the planner's device: its measured fp32 peak for every format it
+    runs, gloo over loopback between ranks."""
+    return GPUSpec(
         "cpu",
-        peak,
-        peak,
+        peak_tflops,
+        peak_tflops,
         None,
-        peak,
+        peak_tflops,
         None,
-        1e3,
+        memory_gb,
         CPU_MEMORY_TBPS,
         CPU_LOOPBACK_GBPS,
         "loopback",
         "cpu",
     )
-    return Cluster(cpu, world, world, CPU_LOOPBACK_GBPS)
 
 
 # ---- fitting ---------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ from dstrain.errors import OUT_OF_MEMORY, UserError
 from dstrain.hardware import GPUSpec, gpu_from_device_name, gpu_spec, network_gbps
 from dstrain.parallel.state_bytes import state_bytes
 from dstrain.planner.advice import Measured, MemoryAdvice, advise
-from dstrain.planner.calibrate import CPU_LOOPBACK_GBPS, CPU_MEMORY_TBPS
+from dstrain.planner.calibrate import CPU_LOOPBACK_GBPS, cpu_device
 from dstrain.planner.layout import Cluster, layout_from_config
 
 if TYPE_CHECKING:
@@ -221,19 +221,7 @@ def _device_spec(trainer: "Trainer") -> GPUSpec:
         configured = trainer.config.cluster.gpu
         return named or (gpu_spec(configured) if configured else gpu_spec("H100"))
     peak = trainer.peak.flops / 1e12 or 0.1
-    return GPUSpec(
-        "cpu",
-        peak,
-        peak,
-        None,
-        peak,
-        None,
-        0.0,
-        CPU_MEMORY_TBPS,
-        CPU_LOOPBACK_GBPS,
-        "loopback",
-        "cpu",
-    )
+    return cpu_device(peak, 0.0)
 
 
 # ---- one rank speaks -------------------------------------------------------------------------
