@@ -38,7 +38,19 @@ def balanced_split(args: ModelArgs, seq_len: int, schedule: str, pp: int, v: int
     """The default split: of every legal (first, last) trimming, the one whose busiest pp rank
     has the fewest forward FLOPs (the last stage also runs the head and the MTP modules; under
     V-shaped schedules rank 0 holds both ends), and then the least trimming. Every stage keeps
-    at least one block; with no such split (fewer layers than stages) `check` has refused."""
+    at least one block where some split allows it; otherwise an end stage may hold none (as
+    `check` allows: DeepSeek-V3's 61 layers over 32 DualPipeV stages leave the last stage the
+    head and MTP alone). With no split at all (fewer layers than stages) `check` has refused."""
+    for min_blocks in (1, 0):
+        chosen = _least_busy_split(args, seq_len, schedule, pp, v, min_blocks)
+        if chosen:
+            return chosen
+    return []
+
+
+def _least_busy_split(
+    args: ModelArgs, seq_len: int, schedule: str, pp: int, v: int, min_blocks: int
+) -> list[range]:
     num_stages, num_layers = pp * v, args.num_layers
     best: tuple[float, int] | None = None
     chosen: list[range] = []
@@ -46,8 +58,8 @@ def balanced_split(args: ModelArgs, seq_len: int, schedule: str, pp: int, v: int
         for last in range(num_layers + 1):
             total = num_layers + first + last
             per = total // num_stages
-            if total % num_stages or per - max(first, last) < 1:
-                continue  # uneven, or a stage without a block
+            if total % num_stages or per - max(first, last) < min_blocks:
+                continue  # uneven, or an end stage with too few blocks
             split = split_layers(num_layers, num_stages, first, last)
             cost = [
                 stage_forward_flops_per_token(args, seq_len, split[s], last=s == num_stages - 1)

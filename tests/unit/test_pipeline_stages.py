@@ -45,6 +45,15 @@ def test_default_split_balances_flops_per_rank():
     assert all(len(r) >= 1 for r in balanced_split(flavor_args("debug"), 32, "1f1b", 4, 1))
 
 
+def test_v3_over_32_dualpipev_stages_leaves_the_last_the_head_alone():
+    """61 layers over pp16 x 2 V-shaped stages: no split gives every stage a block, so an end
+    stage holds none, as `check` allows (the published layout: first 1 less, last 2 less). It
+    was an empty split once, and `plan --emit-config`'s V3 config crashed the dry run."""
+    split = balanced_split(flavor_args("deepseek-v3"), 4096, "dualpipev", 16, 2)
+    assert len(split) == 32 and sum(len(r) for r in split) == 61
+    assert [len(split[0]), len(split[-1])] == [1, 0] and {len(r) for r in split[1:-1]} == {2}
+
+
 def test_carved_stages_share_modules_and_keep_the_model_names():
     args = tiny_args(num_layers=4, num_mtp_modules=1)
     model = build_model(args)
