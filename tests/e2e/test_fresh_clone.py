@@ -34,6 +34,9 @@ def _checkout_files() -> list[Path]:
 
 
 def test_the_unit_tier_passes_without_shared(tmp_path):
+    if not (REPO.parent / "shared").exists():
+        # A clone like a user's already (CI's): the whole suite running here is this check.
+        pytest.skip(f"{REPO.parent / 'shared'} is absent: this run is itself the fresh clone")
     clone = tmp_path / "clone"
     for rel in _checkout_files():
         target = clone / rel
