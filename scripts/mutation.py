@@ -14,6 +14,7 @@ cannot run) is counted apart. Not in CI: one group takes from minutes to hours o
 
 import argparse
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -146,7 +147,7 @@ def _run_one(item: dict, tests: list[str], workdir: Path, timeout: float) -> str
         str(item["occurrence"]),
         f"{PYTEST} {' '.join(tests)}",
     ]
-    env = {**dict(__import__("os").environ), "PYTHONPATH": str(workdir)}
+    env = {**os.environ, "PYTHONPATH": str(workdir)}
     try:
         done = subprocess.run(
             command, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=env

@@ -27,8 +27,8 @@ def load_any(
     if path is None:
         return load_config(None, overrides)
     source, imported = _read(path, judges)
-    if imported is None:
-        return load_config(path, overrides)
+    if source == "dstrain":  # our own file, read once: validated as load_config validates it
+        return validated(imported.data, overrides, "dstrain")
     return validated(
         imported.data,
         overrides,
@@ -56,8 +56,8 @@ def detect_source(raw: dict[str, Any]) -> Source:
     return "dstrain"
 
 
-def _read(path: Path, judges: Judges) -> tuple[Source, Imported | None]:
-    """The foreign file imported (None: dstrain's own, for load_config to read)."""
+def _read(path: Path, judges: Judges) -> tuple[Source, Imported]:
+    """The file as a dstrain config dict: a foreign one imported, our own as it is."""
     text = read_text(path)
     if looks_like_script(path.suffix, text):
         return "script", import_launch_script(text, judges)
@@ -69,6 +69,6 @@ def _read(path: Path, judges: Judges) -> tuple[Source, Imported | None]:
         if data is None or detect_source(data) != "deepspeed":
             raise
     if detect_source(data) != "deepspeed":
-        return "dstrain", None
+        return "dstrain", Imported(data=data, model_given=True)
     json_text = text if text.lstrip().startswith("{") else None
     return "deepspeed", from_deepspeed(data, text=json_text, judges=judges)
