@@ -3,7 +3,8 @@ against its own tests: how many mutants of the code the tests kill, and which su
 
     pip install -c constraints.txt -e '.[test,mutation]'
     python scripts/mutation.py --group step               # every mutant: slow (hours for all)
-    python scripts/mutation.py --group all --sample 40    # 40 mutants per group, seeded
+    python scripts/mutation.py --sample 15 --out runs.jsonl  # 15 mutants per module, seeded
+    python scripts/mutation.py --table runs.jsonl           # the table of that run
     python scripts/mutation.py --group rules --json
 
 Each group runs in a copy of the checkout's HEAD (cosmic-ray rewrites files in place), with the
@@ -219,8 +220,11 @@ def _workdir(tmp: Path) -> Path:
     return workdir
 
 
-def run_group(name: str, sample: int | None, seed: int, timeout: float) -> list[Report]:
-    """Each module of group `name` against its own tests: every mutant, or `sample` of them."""
+def run_group(
+    name: str, sample: int | None, seed: int, timeout: float, out: Path | None = None
+) -> list[Report]:
+    """Each module of group `name` against its own tests: every mutant, or `sample` of them.
+    With `out`, each module's report is appended to it as one JSON line once it is done."""
     reports = []
     with tempfile.TemporaryDirectory(prefix=f"mutation-{name}-") as tmp:
         workdir = _workdir(Path(tmp))
@@ -246,25 +250,46 @@ def run_group(name: str, sample: int | None, seed: int, timeout: float) -> list[
             print(file=sys.stderr)
             report.seconds = time.perf_counter() - began
             reports.append(report)
+            if out is not None:
+                with out.open("a") as lines:
+                    lines.write(json.dumps(asdict(report)) + "\n")
     return reports
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--group", choices=[*GROUPS, "all"], default="all")
-    parser.add_argument("--sample", type=int, help="mutants per group, drawn with --seed")
+    parser.add_argument("--sample", type=int, help="mutants per module, drawn with --seed")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--out", type=Path, help="append each module's report here (JSON lines)")
+    parser.add_argument(
+        "--table", type=Path, help="print the table of a previous run's --out file, run nothing"
+    )
     args = parser.parse_args(argv)
+    if args.table is not None:
+        lines = args.table.read_text().splitlines()
+        return _print_table([_report_from(json.loads(line)) for line in lines if line])
     if shutil.which("cosmic-ray") is None:
         print("cosmic-ray is not installed: pip install -e '.[mutation]'", file=sys.stderr)
         return 2
     names = list(GROUPS) if args.group == "all" else [args.group]
-    reports = [r for n in names for r in run_group(n, args.sample, args.seed, args.timeout)]
+    reports = [
+        r for n in names for r in run_group(n, args.sample, args.seed, args.timeout, args.out)
+    ]
     if args.json:
         print(json.dumps([asdict(r) for r in reports], indent=2))
         return 0
+    return _print_table(reports)
+
+
+def _report_from(fields: dict) -> Report:
+    outcomes = [Outcome(**o) for o in fields.pop("outcomes")]
+    return Report(**fields, outcomes=outcomes)
+
+
+def _print_table(reports: list[Report]) -> int:
     print("| group | module | mutants run (of all) | killed | survived | incompetent | killed |")
     print("|---|---|---|---|---|---|---|")
     for r in reports:

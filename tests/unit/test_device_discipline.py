@@ -2,8 +2,9 @@
 Checked without a GPU (`tests/device_check.py`): the run's device is `meta` (not the CPU), the
 process group torch's fake one, and every collective's tensor devices are recorded. Covers the
 training step (token counts, loss sums, gradient clipping, the loss scaler's overflow agreement,
-the MoE loads), the pipeline's loss, load and tied-embedding reductions, the pipeline timer,
-the metrics processor's gather, and the step's overflow and preemption agreement."""
+the MoE loads), an expert-parallel step's dispatch, a pipeline step's sends and receives, the
+pipeline's loss, load and tied-embedding reductions, the pipeline timer, the metrics processor's
+gather, and the step's overflow and preemption agreement."""
 
 from types import SimpleNamespace
 
@@ -11,7 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
 
+from dstrain.config.load import load_config
 from dstrain.config.schema import LossScaleConfig
 from dstrain.metrics.pipeline_timer import PipelineTimer
 from dstrain.metrics.probes import Probes
@@ -19,11 +22,13 @@ from dstrain.metrics.processor import MetricsProcessor, StepFigures, Throughput,
 from dstrain.model import moe
 from dstrain.model.transformer import build_model
 from dstrain.parallel.context_parallel import ContextShard, apply_context_parallel
+from dstrain.parallel.distributed import World
 from dstrain.parallel.expert_parallel import apply_ep
 from dstrain.parallel.pipeline import TiedEmbedding
 from dstrain.train.agreement import agree
 from dstrain.train.loss_scale import LossScaler
-from dstrain.train.pipeline_step import _gather_loads
+from dstrain.train.pipeline_step import _gather_loads, pipeline_step
+from dstrain.train.runtime import build_runtime
 from dstrain.train.step import DataParallel, train_step
 from tests.device_check import DEVICE, device_check
 from tests.unit.test_hot_path import _BalancedRouting
@@ -93,6 +98,58 @@ def test_an_expert_parallel_step_keeps_its_dispatch_on_the_device(monkeypatch):
         _train_step(model)
     names = [name for name, _ in recorded.calls]
     assert names.count("_c10d_functional.all_to_all_single") >= 4, names  # out and back, x2
+    assert recorded.off_device() == []
+
+
+def test_a_pipeline_step_keeps_its_sends_and_receives_on_the_device():
+    """Rank 0 of pp2 under 1f1b, built by the training runtime on the run's device: each
+    micro-batch's activations sent on and its gradient received back (c10d p2p), then the
+    step's loss, clipping and load reductions, all on the run's device."""
+    config = load_config(
+        None,
+        [
+            "parallel.pp=2",
+            "parallel.pp_schedule=1f1b",
+            "train.seq_len=16",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=8",
+        ],
+    ).config
+    with device_check(world_size=2) as recorded:
+        runtime = build_runtime(config, World(0, 2, 0, DEVICE, "fake"))
+        pipe = runtime.pipeline
+        pipe.model.to(torch.bfloat16)
+        # Upstream infers the stages' shapes by exchanging them as pickled objects, which the
+        # fake group cannot carry: the first stage is given them (static metadata) instead.
+        stage, tokens = pipe.stages[0], torch.randint(0, 64, (2, 16), device=DEVICE)
+        stage._user_meta = PipelineStage(
+            stage.submod,
+            0,
+            2,
+            DEVICE,
+            input_args=tokens,
+            output_args=stage.submod(tokens),
+            group=pipe.group,
+        )._user_meta
+        del recorded.calls[:]
+        pipeline_step(
+            pipe,
+            runtime.optimizer,
+            [torch.randint(0, 64, (2, 17), device=DEVICE) for _ in range(4)],
+            scaler=LossScaler(LossScaleConfig(), enabled=False),
+            precision="fp32",
+            grad_clip=1.0,
+            mtp_weight=0.3,
+            num_mtp=1,
+            num_experts=runtime.model_args.num_routed_experts,
+            bias_update_speed=1e-3,
+            dp=runtime.dp,
+            timer=PipelineTimer(pipe.group, device=DEVICE),
+        )
+    names = [name for name, _ in recorded.calls]
+    # 4 micro-batches: 4 activations out, 4 gradients back (+ the stages' warm-up vote)
+    assert names.count("c10d.send") >= 4 and names.count("c10d.recv_") >= 4, names
+    assert "c10d.allreduce_" in names, names
     assert recorded.off_device() == []
 
 
