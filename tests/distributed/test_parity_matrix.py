@@ -7,6 +7,11 @@ Every layout trains the debug flavor for 8 steps from the same weights on the sa
 (16 sequences: 4 micro-batches of 4 on one process, 2 of 4 on each of 2 ranks). Per-step losses
 must match the one-process run within 1e-5 relative, and the final weights too, and so must the
 validation loss (eval.*: one held-out batch at steps 4 and 8, under PP the schedule's `eval`).
+
+Clipping engages at every step: the global gradient norm of this run is 0.61-0.72 and the bound
+0.25, so a norm mis-reduced over any mesh (FSDP, TP, EP, PP, CP) clips by the wrong factor. AdamW
+all but ignores that factor (its update is g / sqrt(v)), so each step's `optim/grad_norm`, the
+norm the step clipped by, must itself match the one-process run's within GRAD_NORM_RTOL.
 """
 
 import json
@@ -30,6 +35,11 @@ LOSS_RTOL = 1e-6  # the issue asks 1e-5; measured 6.4e-8 (1.3e-7 with AVX2 kerne
 # with ATen's and oneDNN's AVX2 kernels (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`, as
 # on the AVX2-only CI kind), whose vector width sums in another order.
 WEIGHT_ATOL = 5e-6
+GRAD_CLIP = 0.25  # below every step's norm (0.61-0.72): the clipping multiply runs every step
+# Step 1 (identical weights) agrees to ~1e-7 in every layout; later steps inherit the weights'
+# differences, most under sequence parallelism: measured up to 6.4e-6 (tp2 + SP), 1e-7-2e-7
+# elsewhere. An unreduced norm over any mesh is off by tens of percent.
+GRAD_NORM_RTOL = 2e-5
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +63,7 @@ def setup(tmp_path_factory):
         "train.micro_batch_size=4",
         "train.global_batch_size=16",
         "lr.warmup_steps=2",
+        f"train.grad_clip={GRAD_CLIP}",
         "metrics.log_interval=1",
         "metrics.tensorboard=false",
         "checkpoint.enable=false",
@@ -87,12 +98,19 @@ def _check(
         assert len(held_out[1]) == len(held_out[0]) == 2, (name, held_out)
         for a, b in zip(*held_out, strict=True):
             assert abs(a - b) <= LOSS_RTOL * abs(a), (name, "eval/loss", a, b)
+    norms = _losses(root, reference, "optim/grad_norm"), _losses(root, name, "optim/grad_norm")
+    assert len(norms[1]) == STEPS and min(norms[0]) > GRAD_CLIP, (name, norms)
+    norm_rel = max(abs(a - b) / a for a, b in zip(*norms, strict=True))
+    assert norm_rel <= GRAD_NORM_RTOL, (name, "optim/grad_norm", norms)
     weights = torch.load((weights_dir or root) / f"{name}.pt")
     assert weights.keys() == reference_weights.keys(), name
     worst = max((weights[k] - reference_weights[k]).abs().max().item() for k in weights)
     assert worst < weight_atol, (name, worst)
     rel = max(abs(a - b) / abs(a) for a, b in zip(expected, got, strict=True))
-    print(f"parity {name}: max loss rel diff {rel:.1e}, max weight diff {worst:.1e}")
+    print(
+        f"parity {name}: max loss rel diff {rel:.1e}, max weight diff {worst:.1e}, "
+        f"max grad norm rel diff {norm_rel:.1e}"
+    )
 
 
 TWO_RANKS = {
@@ -109,7 +127,11 @@ TWO_RANKS = {
 }
 
 
-# Compression changes the maths: checked for convergence, per-step loss within 2% of exact DDP.
+# Compression changes the maths: each run is held to DDP's per-step losses within its own bound,
+# and must differ from them (a run whose compression was off would match DDP to ~1e-7). What the
+# bounds guard: training moves this run's loss by 3.3 % over the 8 steps (7.65 -> 7.40).
+# fp16 hook: measured 1.7e-5 (AVX512), bound 1e-4. PowerSGD rank 2: measured 7.4e-3, bound 1.5e-2,
+# below half of training's 3.3 %.
 COMPRESSED = {
     "fp16_hook": ["parallel.dp_shard=2", "parallel.zero_stage=0", "comm.compression=fp16"],
     "powersgd": [
@@ -120,6 +142,7 @@ COMPRESSED = {
         "comm.powersgd_start_iter=2",
     ],
 }
+COMPRESSED_RTOL = {"fp16_hook": (1e-6, 1e-4), "powersgd": (1e-3, 1.5e-2)}  # (at least, at most)
 
 
 def test_two_rank_layouts_match_one_process(setup):
@@ -133,7 +156,8 @@ def test_two_rank_layouts_match_one_process(setup):
         got = _losses(root, name)
         worst = max(abs(a - b) / a for a, b in zip(exact, got, strict=True))
         print(f"convergence {name}: max loss rel diff to DDP {worst:.1e}")
-        assert worst < 0.02, (name, worst)
+        low, high = COMPRESSED_RTOL[name]
+        assert low < worst <= high, (name, worst)
         assert got[-1] < got[0], name  # still learning
 
 
