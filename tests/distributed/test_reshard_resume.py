@@ -28,7 +28,7 @@ from tests.distributed.test_parity_matrix import (  # noqa: F401 (fixtures)
 pytestmark = pytest.mark.slow
 
 SAVE_AT = 4
-RTOL = 1e-5  # the parity tolerance of the issue; measured below it (printed)
+RTOL = 1e-6  # the parity matrix's LOSS_RTOL; measured up to 6.4e-8 (printed)
 SAVED = {
     "save_ep2": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero_stage=2"],
     "save_pp2": ["parallel.pp=2"],
@@ -44,11 +44,15 @@ LAYOUTS = {
     "dp2_zero2": ["parallel.dp_shard=2", "parallel.zero_stage=2"],
     "ep2_zero1": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.zero_stage=1"],
     "pp2_dp2_zero1": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=1"],
+    "dp2_zero1": ["parallel.dp_shard=2", "parallel.zero_stage=1"],
 }
 TWO_RANKS = {"ep2_to_tp2": ("save_ep2", "tp2"), "ep2_to_pp2": ("save_ep2", "pp2")}
 TWO_RANKS |= {"pp2_to_ep2": ("save_pp2", "ep2"), "tp2_to_pp2": ("save_tp2", "pp2")}
 TWO_RANKS |= {"zero1_to_zero2": ("save_zero1", "dp2_zero2"), "zero1_to_pp2": ("save_zero1", "pp2")}
-TWO_RANKS |= {"tp2_to_zero1_ep2": ("save_tp2", "ep2_zero1")}
+TWO_RANKS |= {
+    "tp2_to_zero1_ep2": ("save_tp2", "ep2_zero1"),
+    "pp2_to_zero1": ("save_pp2", "dp2_zero1"),
+}
 FOUR_RANKS = {"ep2_to_dp4": ("save_ep2", "dp4_zero3"), "pp2_to_pp2dp2": ("save_pp2", "pp2_dp2")}
 FOUR_RANKS |= {"zero1_to_dp4": ("save_zero1", "dp4_zero3")}
 FOUR_RANKS |= {"ep2_to_pp2_zero1": ("save_ep2", "pp2_dp2_zero1")}

@@ -74,6 +74,21 @@ def test_nproc_launches_workers_through_the_elastic_agent(common):
     assert "dp_shard2 = 2 ranks, ep2" in done.stderr
 
 
+def test_json_under_nproc_is_rank_zeros_summary_alone(common):
+    """`--json` with `--nproc 2`: stdout holds one JSON document, rank 0's summary (the other
+    rank and the launcher write to stderr), with the run's own step count and final loss."""
+    done = _run(
+        "-m", "dstrain", "train", "--nproc", "2", *common, "--set", "run.name=nproc_json",
+        "--set", "parallel.dp_shard=2", "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)  # the whole of stdout: nothing else printed there
+    rows = _metrics(common, "nproc_json")
+    assert summary["steps"] == 4 == rows[-1]["step"]
+    assert summary["final_loss"] == pytest.approx(rows[-1]["loss/main"], rel=1e-6)
+    assert Path(summary["run_dir"]) == run_root(common) / "nproc_json"
+
+
 def test_torchrun_module_entry_point(common):
     done = _run(
         "-m",
