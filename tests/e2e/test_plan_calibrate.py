@@ -1,7 +1,8 @@
-"""`dstrain plan --calibrate` on runs trained here: the constants come back inside their bounds,
-the counted model states match the planner's to 10%, and a directory that is not a finished
-run is one clear error."""
+"""`dstrain plan --calibrate` on runs trained here: the constants come back inside their bounds
+and predict the step times better than the defaults do, the counted model states match the
+planner's to 3%, and a directory that is not a finished run is one clear error."""
 
+import math
 import os
 import subprocess
 import sys
@@ -54,8 +55,17 @@ def test_calibration_fits_the_runs_and_counts_their_model_states(runs):
     rows = {row["run"]: row for row in answer["runs"]}
     assert set(rows) == set(LAYOUTS)
     for row in rows.values():
-        assert abs(row["states_error"]) < 0.10, row
+        # Measured: +1.2 % on tp2, under 0.01 % on the others; bound 3 %.
+        assert abs(row["states_error"]) < 0.03, row
         assert row["step_calibrated_s"] > 0 and row["step_measured_s"] > 0
+    # The fit lowers the step-time error, summed |log(predicted / measured)| over the runs:
+    # measured 0.41x and 0.52x the default constants' (3.8 against 9.3 and 7.3, on a loaded
+    # 2-core CPU); bound 0.8x. Constants returned unchanged give exactly the default's error.
+    calibrated, default = (
+        sum(abs(math.log(row[key] / row["step_measured_s"])) for row in rows.values())
+        for key in ("step_calibrated_s", "step_default_s")
+    )
+    assert calibrated < 0.8 * default, (calibrated, default)
     # tensor parallelism halves the split weights: fewer states than one rank holding all
     assert rows["tp2"]["states_measured_gib"] < rows["one"]["states_measured_gib"]
 

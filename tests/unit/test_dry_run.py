@@ -1,7 +1,8 @@
 """The dry run: rank R's real runtime at any world size in this process, on torch's fake process
-group with the model on meta. It agrees with the planner on model states (within 5%), builds
-DeepSeek-V3's published layout at 2048 ranks in seconds, and gives one verdict with `check` and
-the planner on a grid of small layouts."""
+group with the model on meta. It agrees with the planner on model states (within 0.1 % on
+DeepSeek-V3, to the byte on the small layouts but tp's 1.2 %), builds DeepSeek-V3's published
+layout at 2048 ranks in seconds, and gives one verdict with `check` and the planner on a grid of
+small layouts."""
 
 import itertools
 import json
@@ -48,7 +49,8 @@ def test_deepseek_v3_at_2048_ranks_matches_the_planner(rank):
     assert pp_rank == (0 if rank == 0 else 15)
     assert report.groups["pp"] == 16 and report.groups["ep"] == 64 and report.groups["dp"] == 128
     planned = _planned_states(config, 2048, pp_rank)
-    assert abs(report.model_states_bytes / planned - 1) < 0.05, (report.model_states_bytes, planned)
+    # Measured: +0.0003 % on rank 0, -0.011 % on rank 2047; bound 0.1 %.
+    assert abs(report.model_states_bytes / planned - 1) < 1e-3, (report.model_states_bytes, planned)
     # No rank holds the whole model: the old path built 2.5 TiB of fp32 weights on each.
     assert report.full_model_bytes > 2400 * GiB
     assert report.build_peak_bytes < 2 * GiB
@@ -75,7 +77,8 @@ def test_deepseek_v3_at_128k_with_context_parallelism_matches_the_planner():
     assert report.coords["pp"] == 15 and report.coords["cp"] == 7 and report.groups["cp"] == 8
     assert report.groups["ep"] == 64 and report.step.startswith("ran"), report.step
     planned = _planned_states(config, 2048, 15)
-    assert abs(report.model_states_bytes / planned - 1) < 0.05, (report.model_states_bytes, planned)
+    # Measured: -0.011 %, as the 4K layout's rank 2047; bound 0.1 %.
+    assert abs(report.model_states_bytes / planned - 1) < 1e-3, (report.model_states_bytes, planned)
     args, layout = resolve_model_args(config.model), layout_from_config(config, 2048)
     shape = next(s for s in rank_shapes(args, layout) if s.rank == 15)
     estimate = activation_bytes(args, layout, shape)
@@ -118,7 +121,12 @@ def test_small_layouts_match_the_planner(name):
     for rank in (0, 7):
         report = dry_run_rank(config, 8, rank, step=False)
         planned = _planned_states(config, 8, report.coords["pp"])
-        assert abs(report.model_states_bytes / planned - 1) < 0.05, (name, rank)
+        if name == "dp4_tp2_zero1":
+            # Measured: -1.2 % (12,222,432 against 12,369,888 bytes); bound 2 %.
+            assert abs(report.model_states_bytes / planned - 1) < 0.02, (name, rank, planned)
+        else:
+            # Measured: equal to the byte; both count the same tensors' whole bytes.
+            assert report.model_states_bytes == planned, (name, rank, planned)
 
 
 def test_a_step_runs_under_fake_tensors_with_expert_parallelism():
@@ -275,11 +283,11 @@ def test_check_plan_and_runtime_agree_on_what_is_legal(world, sets):
     ("name", "extra", "within"),
     [
         ("zero1", [], 0.10),  # measured: estimate 1.03x the dry run's peak
-        ("dp8_ep4_zero1", [], 0.10),  # 1.02x
+        ("dp8_ep4_zero1", [], 0.10),  # 1.03x
         # 1.08x: the loss vocab-parallel over tp, its peak moved to the MTP block's backward
         ("dp4_tp2_zero1", [], 0.10),
-        # 1.15x and 1.17x: in this step the loss's backward holds ~4-8 bytes per logit less
-        # when the blocks are checkpointed (selectively or whole) than without it
+        # 1.16x, 1.16x and 1.19x: in this step the loss's backward holds ~4-8 bytes per logit
+        # less when the blocks are checkpointed (selectively or whole) than without it
         ("zero1", ["train.activation_checkpoint=selective"], 0.20),
         ("dp8_ep4_zero1", ["train.activation_checkpoint=selective"], 0.20),
         ("zero1", ["train.activation_checkpoint=full"], 0.25),
@@ -289,7 +297,7 @@ def test_check_plan_and_runtime_agree_on_what_is_legal(world, sets):
         # context parallelism at seq 1024: every layer holds the whole sequence's keys and
         # values, up-projected from the gathered latent (the planner's `_gathered_kv_bytes`,
         # without which the estimate falls below the peak: 340 against 360 MiB)
-        ("dp4_cp2_zero1", [*LONG, "train.activation_checkpoint=none"], 0.05),  # 1.002x
+        ("dp4_cp2_zero1", [*LONG, "train.activation_checkpoint=none"], 0.01),  # 1.002x
         ("dp4_cp2_zero1", [*LONG, "train.activation_checkpoint=selective"], 0.20),  # 1.15x
         ("dp4_cp2_zero1", [*LONG, "train.activation_checkpoint=full"], 0.20),  # 1.10x
     ],

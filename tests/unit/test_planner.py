@@ -84,7 +84,8 @@ def test_deepseek_v3_throughput_against_the_report():
     published = 14.8e12 / (2.664e6 * 3600)
     as_deepseek = V3_LAYOUT.with_(engine="megatron")
     predicted = estimate(V3, as_deepseek, H800_2048).tokens_per_s / 2048
-    assert predicted == pytest.approx(published, rel=0.15)
+    # Measured: 1,557 against 1,543 tokens/s per GPU, +0.9 %; bound 3 %.
+    assert predicted == pytest.approx(published, rel=0.03), f"{predicted / published - 1:+.2%}"
     ours = estimate(V3, V3_LAYOUT, H800_2048).tokens_per_s / 2048
     assert 0.95 * predicted < ours < predicted
 

@@ -18,15 +18,16 @@ from dstrain.planner.estimate import estimate
 from dstrain.planner.layout import Cluster, Layout
 from tests.conftest import run_cli
 
-# Today's score (see docs/planner.md): a change may improve these, never worsen them.
+# Limits just past today's score (see docs/planner.md), so a regression of a few percent fails:
+# a change may improve these, never worsen them. Tighten a limit when the score improves.
 REGRESSION = {
-    "throughput_median": 0.06,
-    "throughput_within": 0.90,
-    "memory_median": 0.06,
+    "throughput_median": 0.055,  # today 0.0535
+    "throughput_within": 0.90,  # today 0.9055 (182 of 201 runs): two runs lost fail
+    "memory_median": 0.042,  # today 0.0411
     # 0.018 before each source's bubble was read as it counts it (Zero Bubble's: the busiest
     # stage's) and the multi-stage schedules' sends overlapped their compute
-    "bubble_mean": 0.008,
-    "impossible": 0,
+    "bubble_mean": 0.0075,  # today 0.00727
+    "impossible": 0,  # today 0
 }
 
 

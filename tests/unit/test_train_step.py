@@ -9,7 +9,7 @@ from dstrain.model.transformer import build_model
 from dstrain.parallel.parallelize import parallelize_model
 from dstrain.train.loss_scale import LossScaler
 from dstrain.train.optim import build_optimizer
-from dstrain.train.step import train_step
+from dstrain.train.step import backward_scale, clip_grad_norm, train_step
 from tests.unit.tiny import tiny_args
 
 
@@ -126,3 +126,26 @@ def test_bf16_autocast_step_is_finite():
     model = build_model(tiny_args())
     result = _step(model, [_batch()], precision="bf16")
     assert torch.isfinite(result.loss) and not result.skipped
+
+
+def test_an_uncounted_gradient_is_clipped_but_not_counted():
+    """The MTP copy of a tied embedding (under PP) is clipped with the rest, but its gradient,
+    the original's already counted, does not enter the norm."""
+    counted, copy = torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2, 2))
+    counted.grad = torch.full((2, 2), 1.5)  # norm 3
+    copy.grad = torch.full((2, 2), 4.0)
+    norm = clip_grad_norm([counted, copy], 1.0, uncounted=frozenset([copy]))
+    assert norm.item() == pytest.approx(3.0, rel=1e-7)
+    factor = 1.0 / (3.0 + 1e-6)
+    assert torch.allclose(counted.grad, torch.full((2, 2), 1.5 * factor), rtol=1e-6, atol=0)
+    assert torch.allclose(copy.grad, torch.full((2, 2), 4.0 * factor), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_the_balance_loss_backward_adds_up_over_context_parallel_ranks(fp16):
+    """Each cp rank's balance-loss term is a part of one sequence's loss: its backward is cp
+    times the dp-only one's (the main loss's multiplier does not change with cp)."""
+    scaler = LossScaler(LossScaleConfig(), enabled=fp16)
+    alone, split = backward_scale(scaler, 4, 2, cp=1), backward_scale(scaler, 4, 2, cp=2)
+    assert split.aux == 2 * alone.aux and split.loss == alone.loss and split.after == alone.after
+    assert alone.aux == scaler.loss_multiplier() / (2 * (4 if fp16 else 1))
