@@ -5,6 +5,7 @@ against its own tests: how many mutants of the code the tests kill, and which su
     python scripts/mutation.py --group step               # every mutant: slow (hours for all)
     python scripts/mutation.py --sample 15 --out runs.jsonl  # 15 mutants per module, seeded
     python scripts/mutation.py --table runs.jsonl           # the table of that run
+    python scripts/mutation.py --retest runs.jsonl          # its survivors, on today's tests
     python scripts/mutation.py --group rules --json
 
 Each group runs in a copy of the checkout's HEAD (cosmic-ray rewrites files in place), with the
@@ -221,23 +222,32 @@ def _workdir(tmp: Path) -> Path:
 
 
 def run_group(
-    name: str, sample: int | None, seed: int, timeout: float, out: Path | None = None
+    name: str,
+    sample: int | None,
+    seed: int,
+    timeout: float,
+    out: Path | None = None,
+    only: dict[str, set[tuple[str, int]]] | None = None,
 ) -> list[Report]:
-    """Each module of group `name` against its own tests: every mutant, or `sample` of them.
-    With `out`, each module's report is appended to it as one JSON line once it is done."""
+    """Each module of group `name` against its own tests: every mutant, or `sample` of them, or
+    (`only`, by module) those of these (operator, line) pairs. With `out`, each module's report
+    is appended to it as one JSON line once it is done."""
     reports = []
     with tempfile.TemporaryDirectory(prefix=f"mutation-{name}-") as tmp:
         workdir = _workdir(Path(tmp))
         for module in GROUPS[name]:
+            if only is not None and module.path not in only:
+                continue
             began = time.perf_counter()
             tests = _existing(module.tests, workdir)
             items = _work_items(module.path, tests, workdir)
             report = Report(name, module.path, total_mutants=len(items))
-            chosen = (
-                random.Random(seed).sample(items, sample)
-                if sample and sample < len(items)
-                else items
-            )
+            if only is not None:
+                chosen = [i for i in items if (i["operator"], i["line"]) in only[module.path]]
+            elif sample and sample < len(items):
+                chosen = random.Random(seed).sample(items, sample)
+            else:
+                chosen = items
             for n, item in enumerate(chosen, start=1):
                 report.outcomes.append(_run_one(item, tests, workdir, timeout))
                 print(
@@ -267,6 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--table", type=Path, help="print the table of a previous run's --out file, run nothing"
     )
+    parser.add_argument(
+        "--retest",
+        type=Path,
+        help="run again, on HEAD, only the survivors of a previous run's --out file",
+    )
     args = parser.parse_args(argv)
     if args.table is not None:
         lines = args.table.read_text().splitlines()
@@ -275,8 +290,15 @@ def main(argv: list[str] | None = None) -> int:
         print("cosmic-ray is not installed: pip install -e '.[mutation]'", file=sys.stderr)
         return 2
     names = list(GROUPS) if args.group == "all" else [args.group]
+    only = None
+    if args.retest is not None:
+        only = {}
+        for line in args.retest.read_text().splitlines():
+            report = _report_from(json.loads(line))
+            survivors = {(o.operator, o.line) for o in report.outcomes if o.result == "survived"}
+            only.setdefault(report.module, set()).update(survivors)
     reports = [
-        r for n in names for r in run_group(n, args.sample, args.seed, args.timeout, args.out)
+        r for n in names for r in run_group(n, args.sample, args.seed, args.timeout, args.out, only)
     ]
     if args.json:
         print(json.dumps([asdict(r) for r in reports], indent=2))

@@ -48,9 +48,9 @@ def test_loss_scaler_follows_deepspeed():
     assert not step([math.inf, 0.0]) and scaler.scale == 16  # hysteresis absorbs the first
     assert not step([math.nan, 0.0]) and scaler.scale == 8  # the second halves
     assert not step([math.inf, 0.0]) and scaler.scale == 4  # and the next ones too
-    for _ in range(3):
-        assert step([1.0, 1.0])
-    assert scaler.scale == 8  # doubled after a clean window
+    for _ in range(2):
+        assert step([1.0, 1.0]) and scaler.scale == 4  # the window counts from the overflow
+    assert step([1.0, 1.0]) and scaler.scale == 8  # doubled after a clean window, not before
     for _ in range(6):
         step([math.inf, 0.0])
     assert scaler.scale == 2.0  # never below min_loss_scale
