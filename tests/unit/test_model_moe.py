@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dstrain.config.model_args import ModelArgs
 from dstrain.model.moe import AddAuxiliaryLoss, GroupedExperts, MoE
+from dstrain.parallel.context_parallel import ContextShard
 
 BASE = ModelArgs(
     dim=32,
@@ -230,22 +231,24 @@ def test_moe_gradients_match_naive_reference(case, dtype):
 # --- Sequence-wise balance loss (DeepSeek-V3 eq. 17-20) ---------------------------------------
 
 
-def _hand_balance_loss(moe: MoE, args: ModelArgs, x_BSD: torch.Tensor) -> torch.Tensor:
+def _hand_balance_loss(
+    moe: MoE, args: ModelArgs, x_BSD: torch.Tensor, length: int = S
+) -> torch.Tensor:
     """alpha * mean over sequences of sum_e f_e P_e, with f_e = E / (K S) * (tokens of the
-    sequence routed to e) and P_e = (1 / S) * sum_t s_{t,e} / sum_j s_{t,j}; differentiable in
-    the gate weight through P_e."""
+    sequence routed to e) and P_e = (1 / S) * sum_t s_{t,e} / sum_j s_{t,j}, over each
+    sequence's first `length` tokens (S); differentiable in the gate weight through P_e."""
     E, K = args.num_routed_experts, args.num_activated_experts
     per_sequence = []
     for b in range(B):
         hits = [0] * E
         p_sum = 0
-        for t in range(S):
+        for t in range(length):
             chosen, _, s_E = _route(moe, args, x_BSD[b, t].float())
             for e in chosen:
                 hits[e] += 1
             p_sum = p_sum + s_E / s_E.sum()
-        p_E = p_sum / S
-        per_sequence.append(sum(E / (K * S) * hits[e] * p_E[e] for e in range(E)))
+        p_E = p_sum / length
+        per_sequence.append(sum(E / (K * length) * hits[e] * p_E[e] for e in range(E)))
     return args.aux_loss_alpha * torch.stack(per_sequence).mean()
 
 
@@ -284,6 +287,23 @@ def test_balance_loss_gradient_reaches_the_gate_but_not_the_output(aux_loss_scal
     torch.testing.assert_close(extra, expected, rtol=0, atol=1e-6 * full.abs().max().item())
     for name in ["experts.w1", "experts.w2", "experts.w3"]:  # the experts do not see the loss
         assert torch.equal(with_aux.get_parameter(name).grad, without.get_parameter(name).grad)
+
+
+@pytest.mark.parametrize("padding", [0, 2])
+def test_the_context_parallel_balance_loss_is_the_hand_computation(padding):
+    """Under context parallelism the loss is built from the cp group's sums of hits, affinities
+    and token counts, leaving out MTP's padded tail positions (here a group of one, whose sums
+    are the rank's own): its value and its gradient to the gate are the hand computation's on
+    each sequence's first S - padding tokens."""
+    args = _with(CASES["v3"], aux_loss_alpha=1.0)
+    x = _x(args, torch.float32)
+    moe = _moe(args, torch.float32).train()
+    moe.context, moe.tail_padding = ContextShard(None, 1, 0), padding
+    (moe(x) * 0).sum().backward()  # all the gate receives is the balance loss's gradient
+    hand = _hand_balance_loss(moe, args, x, length=S - padding)
+    (expected,) = torch.autograd.grad(hand, moe.router.gate.weight)
+    torch.testing.assert_close(moe.last_aux_loss, hand.detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(moe.router.gate.weight.grad, expected, rtol=1e-5, atol=1e-8)
 
 
 def test_balance_loss_gradient_is_the_same_under_activation_checkpointing():
