@@ -79,7 +79,11 @@ GROUPS: dict[str, tuple[Module, ...]] = {
         ),
         Module(
             "dstrain/parallel/expert_parallel.py",
-            ("tests/unit/test_device_discipline.py", "tests/distributed/test_expert_parallel.py"),
+            (
+                "tests/unit/test_expert_parallel_splits.py",
+                "tests/unit/test_device_discipline.py",
+                "tests/distributed/test_expert_parallel.py",
+            ),
         ),
     ),
     "hf": (
