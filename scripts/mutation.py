@@ -48,7 +48,11 @@ _FP8_TESTS = (
     "tests/unit/test_fp8_config.py",
     "tests/unit/test_cuda_rules.py",
 )
-_HF_TESTS = ("tests/unit/test_init_from.py", "tests/unit/test_hf_parity.py")
+_HF_TESTS = (
+    "tests/unit/test_hf_adapter.py",
+    "tests/unit/test_init_from.py",
+    "tests/unit/test_hf_parity.py",
+)
 _CHECKPOINT_TESTS = ("tests/unit/test_checkpoint_store.py", "tests/unit/test_ckpt_cli.py")
 
 # The modules, each with the tests that claim to cover it: the unit tier, and a distributed
