@@ -7,6 +7,7 @@ import torch
 from dstrain.config.flavors import flavor_args
 from dstrain.config.load import load_config
 from dstrain.errors import UserError
+from dstrain.model import fp8
 from dstrain.model.fp8_linear import Fp8Linear, apply_fp8, fp8_linears
 from dstrain.model.moe import GroupedExperts
 from dstrain.model.transformer import build_model
@@ -95,6 +96,25 @@ def test_a_gpu_without_the_blockwise_kernel_is_an_error_unless_emulation_is_allo
     findings = preflight(loaded, 1)
     assert not [f for f in findings if f.severity == "error"]
     assert any(f.severity == "warning" and f.key == "train.fp8_backend" for f in findings)
+
+
+@pytest.mark.parametrize(
+    ("capability", "cuda", "refused"),
+    [
+        ((9, 0), "12.9", None),  # H100/H200/H800 with torch's CUDA 12.9 build: the kernel runs
+        ((9, 0), "13.0", None),
+        ((9, 0), "12.8", "CUDA 12.8"),
+        ((8, 0), "12.9", "compute capability 8.0"),  # A100
+        ((10, 0), "12.9", "compute capability 10.0"),  # Blackwell: another kernel
+    ],
+)
+def test_the_blockwise_kernel_needs_sm90_and_cuda_12_9(monkeypatch, capability, cuda, refused):
+    """Judged from the GPU's capability and torch's CUDA build alone (no GPU needed)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU")
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    reason = fp8.blockwise_kernel_reason(torch.device("cuda", 0))
+    assert reason is None if refused is None else refused in reason, reason
 
 
 def test_the_trainer_logs_the_backend_and_counts_mfu_against_what_runs():
