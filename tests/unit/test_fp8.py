@@ -13,6 +13,7 @@ import torch
 
 from dstrain.errors import UserError
 from dstrain.model import fp8, fp8_grouped
+from dstrain.model.fp8_linear import Fp8Linear
 
 SHAPES = [(5, 7, 9), (130, 200, 300), (256, 128, 128), (1, 129, 257)]
 
@@ -171,3 +172,13 @@ def test_grouped_experts_equal_one_fp8_gemm_per_expert_bit_for_bit(w_dtype):
     assert torch.equal(yg, yl) and torch.equal(xg.grad, xl.grad)
     assert wg.grad.dtype == w_dtype and torch.equal(wg.grad, wl.grad)
     assert not wg.grad[0].any()
+
+
+def test_an_fp8_linear_with_a_bias_adds_it_after_the_fp8_matmul():
+    """DeepSeek's linears have none, but a model with biases keeps them under the recipe."""
+    linear = torch.nn.Linear(128, 128, bias=True, dtype=torch.bfloat16)
+    torch.nn.init.normal_(linear.bias, std=1.0)
+    x = torch.randn(4, 128, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    linear.__class__ = Fp8Linear  # as apply_fp8 converts the recipe's linears
+    expected = fp8.fp8_matmul(x, linear.weight, "emulated") + linear.bias
+    assert torch.equal(linear(x), expected)
