@@ -53,7 +53,11 @@ _HF_TESTS = (
     "tests/unit/test_init_from.py",
     "tests/unit/test_hf_parity.py",
 )
-_CHECKPOINT_TESTS = ("tests/unit/test_checkpoint_store.py", "tests/unit/test_ckpt_cli.py")
+_CHECKPOINT_TESTS = (
+    "tests/unit/test_checkpoint_store.py",
+    "tests/unit/test_resume_diff.py",
+    "tests/unit/test_ckpt_cli.py",
+)
 
 # The modules, each with the tests that claim to cover it: the unit tier, and a distributed
 # test where only ranks exercise the code (the vocab-parallel loss, the EP dispatch), so that a

@@ -334,6 +334,10 @@ def test_profile_steps_must_be_in_order_and_inside_the_run():
 def test_prometheus_ports_of_every_local_rank_must_exist():
     assert "metrics.prometheus_port" in errors("metrics.prometheus_port=65534", world=8)
     assert errors("metrics.prometheus_port=65528", world=8) == {}  # 65528 + 7 local ranks
+    (refused,) = [
+        f for f in findings("metrics.prometheus_port=65534", world=8) if f.severity == "error"
+    ]
+    assert refused.fix == "use a port <= 65528"  # the highest that leaves every rank a port
 
 
 DUALPIPEV = ("parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.num_virtual_stages=2")
