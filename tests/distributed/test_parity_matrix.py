@@ -38,7 +38,7 @@ WEIGHT_ATOL = 5e-6
 GRAD_CLIP = 0.25  # below every step's norm (0.61-0.72): the clipping multiply runs every step
 # Step 1 (identical weights) agrees to ~1e-7 in every layout; later steps inherit the weights'
 # differences, most under sequence parallelism: measured up to 6.4e-6 (tp2 + SP), 1e-7-2e-7
-# elsewhere. An unreduced norm over any mesh is off by tens of percent.
+# elsewhere (the same with AVX2 kernels). An unreduced norm is off by tens of percent.
 GRAD_NORM_RTOL = 2e-5
 
 
@@ -130,8 +130,8 @@ TWO_RANKS = {
 # Compression changes the maths: each run is held to DDP's per-step losses within its own bound,
 # and must differ from them (a run whose compression was off would match DDP to ~1e-7). What the
 # bounds guard: training moves this run's loss by 3.3 % over the 8 steps (7.65 -> 7.40).
-# fp16 hook: measured 1.7e-5 (AVX512), bound 1e-4. PowerSGD rank 2: measured 7.4e-3, bound 1.5e-2,
-# below half of training's 3.3 %.
+# fp16 hook: measured 1.7e-5 (AVX512 and AVX2 kernels), bound 1e-4. PowerSGD rank 2: measured
+# 7.4e-3, bound 1.5e-2, below half of training's 3.3 %.
 COMPRESSED = {
     "fp16_hook": ["parallel.dp_shard=2", "parallel.zero_stage=0", "comm.compression=fp16"],
     "powersgd": [
