@@ -193,7 +193,7 @@ class BackwardScale:
 
 
 def backward_scale(
-    scaler: LossScaler, dp_size: int, micro_batches: int, cp: int = 1
+    scaler: LossScaler, dp_size: int, micro_batches: int, cp: int
 ) -> BackwardScale:
     """DDP/FSDP average gradients over dp, and the global-mean loss needs their sum: the backward
     loss is multiplied by dp. The balance loss enters backward on its own, loss-scaled like the
