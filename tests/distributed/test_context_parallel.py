@@ -1,8 +1,8 @@
 """Context parallelism at the model (issue 32, first step): cp 2 and cp 4, MLA (with and without
 the query bottleneck, with YaRN), GQA and a dense model, against one process on the whole
 sequences. The loss summed over the cp ranks, each rank's logits at its positions, and the
-gradients summed over the ranks match, fp32: losses 1e-5 relative, logits and gradients 1e-5
-of their tensor's largest value. Each rank holds chunks r and 2N-1-r, and so does the same
+gradients summed over the ranks match, fp32: losses 5e-7 relative, logits 1.5e-7 and gradients
+2e-6 of their tensor's largest value. Each rank holds chunks r and 2N-1-r, and so does the same
 attention work."""
 
 import pytest
@@ -13,6 +13,10 @@ from tests.distributed.workers.context_parallel import cases
 pytestmark = pytest.mark.slow
 
 CASES = list(cases())
+# Over cp2 and cp4, every case and rank (printed by the test):
+LOSS_RTOL = 5e-7  # relative: measured 1.1e-7 on AVX512 and AVX2 kernels
+LOGITS_RTOL = 1.5e-7  # of the largest logit: measured 3.0e-8 on AVX512 and AVX2 kernels
+GRAD_RTOL = 2e-6  # of each tensor's largest entry: measured 5.7e-7 (AVX512), 6.0e-7 (AVX2)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])
@@ -27,12 +31,13 @@ def test_matches_one_process(ranks, case):
     for rank, result in enumerate(results):
         report = result[case]
         print(
-            f"cp{cp} {case} rank {rank}: loss {report['loss']:.6f} vs {report['ref_loss']:.6f}, "
+            f"cp{cp} {case} rank {rank}: loss {report['loss']:.6f} vs {report['ref_loss']:.6f} "
+            f"({abs(report['loss'] - report['ref_loss']) / abs(report['ref_loss']):.1e}), "
             f"logits {report['logits_diff']:.1e}, gradients {report['grad_diff']['rel']:.1e} rel"
         )
-        assert abs(report["loss"] - report["ref_loss"]) <= 1e-5 * abs(report["ref_loss"])
-        assert report["logits_diff"] <= 1e-5
-        assert report["grad_names"] and report["grad_diff"]["rel"] <= 1e-5, report["grad_diff"]
+        assert abs(report["loss"] - report["ref_loss"]) <= LOSS_RTOL * abs(report["ref_loss"])
+        assert report["logits_diff"] <= LOGITS_RTOL, report["logits_diff"]
+        assert report["grad_names"] and report["grad_diff"]["rel"] <= GRAD_RTOL, report["grad_diff"]
 
 
 def test_head_tail_chunks_balance_the_work(ranks):

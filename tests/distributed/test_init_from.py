@@ -2,8 +2,8 @@
 with block scales) loaded under dp_shard2 (FSDP2), dp_shard2 x ep2 (per local expert, never
 gathered), tp2 + SP and pp2, each rank reading only its slices: every loaded tensor, gathered, is
 the checkpoint's bit for bit (FP8: its dequantised value), and the first step's loss equals
-transformers' on the same global batch (fp32 within 1e-4; measured 0 to 1e-7) and, from FP8, the
-one-process FP8 load's."""
+transformers' on the same global batch (fp32 within 1e-7; measured 9.5e-9, every layout equal to
+one process) and, from FP8, the one-process FP8 load's."""
 
 import json
 
@@ -33,6 +33,11 @@ LAYOUTS = {
     "tp2": ["parallel.tp=2", "parallel.sequence_parallel=true"],
     "pp2": ["parallel.pp=2"],
 }
+# The first step's loss, relative, against transformers' (fp32 checkpoint, summed in fp64) or the
+# one-process FP8 load's: measured 9.5e-9 from fp32, one process and every layout alike, and 0
+# (identical) from FP8, on AVX512 and AVX2 kernels; bound 1e-7, a little over one fp32 spacing
+# of the loss (7.6e-8 of it), as the one-process test's (whose V2 and bf16 cases measure 2.7e-8).
+LOSS_RTOL = 1e-7
 
 
 def _common(root, folder):
@@ -59,7 +64,9 @@ def test_every_layout_starts_from_the_checkpoints_loss(corpus, tmp_path, fp8):  
     args = trainer.model.args
     one, batches = _first_step(trainer)
     reference = one if fp8 else hf_loss(hf, batches)
-    assert abs(one - reference) <= 1e-4 * reference
+    one_gap = abs(one - reference) / reference
+    print(f"init_from {'fp8' if fp8 else 'fp32'} one process: {one:.6f} ({one_gap:.1e})")
+    assert one_gap <= LOSS_RTOL, (one, reference, one_gap)
     spec = {"common": _common(corpus, folder), "layouts": LAYOUTS, "save_initial": True}
     ranks = run_ranks(2, "train_layouts", tmp_path / "out", json.dumps(spec), timeout=600)
     files = checkpoint_tensors(folder, BLOCK)
@@ -77,4 +84,4 @@ def test_every_layout_starts_from_the_checkpoints_loss(corpus, tmp_path, fp8):  
             f"init_from {'fp8' if fp8 else 'fp32'} {name}: first-step loss {loss:.6f} vs "
             f"{reference:.6f} ({gap:.1e})"
         )
-        assert gap <= 1e-4, (name, loss, reference)
+        assert gap <= LOSS_RTOL, (name, loss, reference, gap)

@@ -3,7 +3,7 @@
 Two launches: every case at tp 2, and the fullest case (MLA, MoE, MTP, balance loss, SP) at tp 4.
 Tolerances, fp32 with SGD (the update is linear in the gradient, so TP's different summation
 order does not compound the way Adam's division by sqrt(v) + eps does near zero):
-- losses: 1e-5 relative (measured <= 2.3e-7);
+- losses: 1e-5 relative (measured 3.2e-6 for tp_split_uneven, <= 2.3e-7 otherwise);
 - final weights: 2e-6 of each tensor's largest entry, about 16 fp32 ulps (measured <= 3e-7; a
   missing all-reduce of MLA's shared RoPE-key gradient shows 2e-4);
 - gradients of one more backward: 1e-6 absolute (measured <= 1.6e-7; the same bug shows 4e-6).
@@ -18,6 +18,9 @@ pytestmark = pytest.mark.slow
 
 TP2_CASES = list(cases(2))
 TP4_CASES = ["sp", "sp_split"]
+# Losses, relative: measured 2.9e-6 (AVX512) and 3.2e-6 (AVX2 kernels) for tp_split_uneven, every
+# other case <= 2.3e-7; bound 1e-5.
+LOSS_RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +37,10 @@ ALL = [(2, name) for name in TP2_CASES] + [(4, name) for name in TP4_CASES]
 @pytest.mark.parametrize("tp,case", ALL)
 def test_losses_match_one_process(runs, tp, case):
     report = runs[tp][0][case]
-    for step, (ours, ref) in enumerate(zip(report["losses"], report["ref_losses"], strict=True)):
-        assert abs(ours - ref) <= 1e-5 * abs(ref), (step, ours, ref)
+    pairs = list(zip(report["losses"], report["ref_losses"], strict=True))
+    print(f"tp{tp} {case}: loss rel {max(abs(a - b) / abs(b) for a, b in pairs):.1e}")
+    for step, (ours, ref) in enumerate(pairs):
+        assert abs(ours - ref) <= LOSS_RTOL * abs(ref), (step, ours, ref)
     for rank in runs[tp][1:]:
         assert rank[case]["losses"] == report["losses"]
 

@@ -15,10 +15,16 @@ from tests.distributed.test_parity_matrix import _losses, setup  # noqa: F401 (f
 pytestmark = pytest.mark.slow
 
 STEPS = 4
-# Inductor fuses elementwise work (norms, SwiGLU, RoPE, the loss); measured over 4 steps: fp32
-# identical (0), dp2 x ep2 identical, bf16 6.8e-6 relative (fused ops round once where eager
-# rounds each). The bounds leave an order of magnitude for other CPUs' vector widths.
-RTOL = {"fp32": 1e-5, "bf16": 1e-4}
+# Inductor fuses elementwise work (norms, SwiGLU, RoPE, the loss). The worst per-step loss
+# difference to eager over 4 steps, relative:
+# - fp32, one process and dp2 x ep2 ZeRO-1: measured identical on AVX512 and AVX2 kernels; bound
+#   1e-6 rather than equality (Inductor's code differs between CPUs);
+# - bf16: measured 2.8e-6 (AVX512) and 3.4e-6 (AVX2 kernels) (fused ops round once where eager
+#   rounds each; 6.8e-6 measured before on another run); bound 2e-5;
+# - cp2 ZeRO-1 (fp32): measured 0 (AVX512) and 6.2e-8, one fp32 spacing of the loss (AVX2
+#   kernels); bound 3e-7.
+RTOL = {"fp32": 1e-6, "bf16": 2e-5}
+CP_RTOL = 3e-7
 
 
 def _without_eval(common: list[str]) -> list[str]:
@@ -74,4 +80,4 @@ def test_compiled_context_parallel_matches_eager(setup):  # noqa: F811
     layout = ["parallel.cp=2", "parallel.zero_stage=1"]
     worst = _two_ranks_compiled_vs_eager(root, common, "cp", layout)
     print(f"compile cp2 ZeRO-1: max loss rel diff to eager {worst:.1e}")
-    assert worst <= RTOL["fp32"], worst
+    assert worst <= CP_RTOL, worst

@@ -113,7 +113,9 @@ def test_deepseek_v2_lite_activated_is_not_reproduced_by_the_shared_convention()
 def test_deepseek_moe_16b_total_16_4b_activated_2_8b():
     # DeepSeekMoE (arXiv 2401.06066), DeepSeekMoE 16B: 16.4B total, 2.8B activated.
     counts = param_counts(FLAVORS["deepseek-moe-16b"])
-    assert _rel(counts.main_model_total, 16.4 * B) < 0.02  # 16.38B
+    print(f"DeepSeekMoE 16B: total rel {_rel(counts.main_model_total, 16.4 * B):.2%}")
+    # 16.38B: measured 0.15 % (integer arithmetic, the same on every CPU); bound 0.5 %.
+    assert _rel(counts.main_model_total, 16.4 * B) < 0.005
     assert _rel(counts.activated, 2.8 * B) < 0.02  # 2.83B
 
 

@@ -1,7 +1,7 @@
 """Parity with a real peer implementation: transformers' DeepseekV3 and DeepseekV2 models.
 
 A tiny random HF model is saved with save_pretrained, loaded into dstrain through the adapter, and
-both produce the same logits (fp32, within 1e-4); and the reverse: our export loads in HF.
+both produce the same logits (fp32, within 1e-6); and the reverse: our export loads in HF.
 """
 
 import pytest
@@ -72,6 +72,10 @@ CASES = {
     ),
 }
 
+# The largest logit difference (logits up to 0.73), both ways: measured 2.1e-7 (AVX512) and
+# 3.0e-7 (AVX2 kernels), any thread count; bound 1e-6.
+LOGITS_ATOL = 1e-6
+
 
 def _hf_model(case: str, tmp_path):
     config_cls, model_cls, extra = CASES[case]
@@ -103,7 +107,9 @@ def test_hf_checkpoint_into_dstrain_gives_the_same_logits(case, tmp_path):
     with torch.no_grad():
         expected = hf(tokens).logits
         got = ours(tokens)
-    assert (got - expected).abs().max().item() < 1e-4
+    diff = (got - expected).abs().max().item()
+    print(f"hf parity {case}: max logit diff {diff:.1e} (logits up to {expected.abs().max():.1e})")
+    assert diff <= LOGITS_ATOL, diff
 
 
 @pytest.mark.parametrize("case", ["v3", "v2-groups"])
@@ -115,4 +121,6 @@ def test_dstrain_export_loads_in_transformers(case, tmp_path):
     reloaded = getattr(transformers, model_cls).from_pretrained(tmp_path / "export").eval()
     tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        assert (reloaded(tokens).logits - ours(tokens)).abs().max().item() < 1e-4
+        diff = (reloaded(tokens).logits - ours(tokens)).abs().max().item()
+    print(f"hf export {case}: max logit diff {diff:.1e}")
+    assert diff <= LOGITS_ATOL, diff

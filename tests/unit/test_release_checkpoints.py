@@ -83,7 +83,9 @@ def test_v3_verify_hf_and_the_dry_run_read_only_each_ranks_slices(replicas):
         assert share <= reads["bytes"] <= 2 * share
         assert reads["bytes"] < reads["checkpoint_bytes"] / 1000
     last = next(r for r in dry.json() if r["rank"] == 2047)["init_from"]
-    assert last["bytes"] <= 1.01 * last["share_bytes"]  # no embedding or head: scales only
+    print(f"V3 rank 2047: read {last['bytes'] / last['share_bytes'] - 1:.4%} over its shards")
+    # No embedding or head: scales only, measured 0.0255 % over its shards; bound 0.1 %.
+    assert last["bytes"] <= 1.001 * last["share_bytes"], last
 
 
 def test_check_reports_the_checkpoint_and_the_reads(replicas):
