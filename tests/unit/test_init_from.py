@@ -12,10 +12,12 @@ pytest.importorskip("transformers")
 
 from dstrain.config.load import load_config  # noqa: E402
 from dstrain.errors import UserError  # noqa: E402
-from dstrain.model.hf_adapter import to_hf, with_mtp_copies  # noqa: E402
+from dstrain.model.hf_adapter import save_hf_checkpoint, to_hf, with_mtp_copies  # noqa: E402
 from dstrain.model.hf_load import HFCheckpoint  # noqa: E402
+from dstrain.model.transformer import build_model  # noqa: E402
 from dstrain.train.trainer import Trainer  # noqa: E402
 from tests.hf_models import dequantise_block, hf_loss, hf_model, save, save_fp8  # noqa: E402
+from tests.unit.tiny import tiny_args  # noqa: E402
 
 BLOCK = 32  # FP8 blocks: 96 x 64 and 40 x 64 weights have partial ones
 # The first step's loss against transformers' (summed in fp64), relative. From fp32 and bf16
@@ -136,6 +138,12 @@ def test_fp8_dequantises_exactly_and_costs_its_quantisation_error(corpus, tmp_pa
     # Any box of it, including one that starts inside a block and ends in a partial one.
     part = checkpoint.read(name, (slice(5, 24), slice(17, 64)))
     assert torch.equal(part.double(), expected[5:24, 17:64].float().double())
+    # A box in the third row block and the second column block (a TP or FSDP shard's): its
+    # scales are those of its own blocks.
+    dense = "model.layers.0.mlp.gate_proj.weight"  # 96 x 64: three row blocks
+    whole = dequantise_block(raw[dense], raw[dense + "_scale_inv"], BLOCK)
+    part = checkpoint.read(dense, (slice(70, 96), slice(40, 64)))
+    assert torch.equal(part.double(), whole[70:96, 40:64].float().double())
     fused = hf.state_dict()["model.layers.1.mlp.experts.gate_up_proj"]  # [E, 2F, D] in memory
     original = fused[3, : fused.size(1) // 2].double()
     error = (expected - original).abs().max() / original.abs().max()
@@ -148,6 +156,24 @@ def test_fp8_dequantises_exactly_and_costs_its_quantisation_error(corpus, tmp_pa
         f"rel {gap:.1e}; max weight error {error:.1e} of the block max"
     )
     assert gap <= FP8_RTOL, (ours, reference, gap)
+
+
+def test_an_mtp_layer_with_its_own_embedding_is_refused_naming_the_rows(corpus, tmp_path):
+    """dstrain's MTP shares the main model's embedding, as DeepSeek-V3's does: a checkpoint whose
+    MTP copy differs is refused, naming how many rows differ and the first."""
+    from safetensors.torch import load_file, save_file
+
+    args = tiny_args(vocab_size=2048)  # the corpus's tokenizer
+    folder = tmp_path / "own-embedding"
+    save_hf_checkpoint(build_model(args).state_dict(), args, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    copy = f"model.layers.{args.num_layers}.embed_tokens.weight"
+    tensors[copy][[7, 300]] += 1.0
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UserError) as caught:
+        _trainer(corpus, folder)
+    assert f"{copy} differs from model.embed_tokens.weight" in caught.value.message
+    assert "(2 of the 2048 rows read here, first row 7)" in caught.value.message
 
 
 def test_bad_checkpoints_are_one_clear_error(corpus, tmp_path):
