@@ -7,7 +7,7 @@ import torch
 
 from dstrain.config.schema import LossScaleConfig, LRConfig, OptimConfig
 from dstrain.model.transformer import Transformer
-from dstrain.train.loss import IGNORE_INDEX, TokenCounts, loss_terms
+from dstrain.train.loss import IGNORE_INDEX, TokenCounts, loss_terms, split_targets
 from dstrain.train.loss_scale import LossScaler
 from dstrain.train.lr import lr_factor
 from dstrain.train.optim import build_optimizer, param_groups
@@ -105,3 +105,30 @@ def test_mtp_loss_weights_each_depth_by_its_own_count():
     assert torch.allclose(
         total, ce(main.flatten(0, 1), labels.flatten()) + 0.3 * expected_mtp, atol=1e-6
     )
+
+
+def test_a_tuple_of_the_main_logits_alone_is_the_main_loss():
+    torch.manual_seed(0)
+    logits, labels = torch.randn(2, 5, 7), torch.randint(0, 7, (2, 5))
+    counts = TokenCounts.of([labels], num_mtp=0)
+    total, parts = loss_terms((logits,), labels, counts, mtp_weight=0.3)
+    assert torch.equal(total, loss_terms(logits, labels, counts, mtp_weight=0.3)[0])
+    assert parts.keys() == {"main"}
+
+
+@pytest.mark.parametrize("num_mtp", [1, 2])
+def test_split_targets_give_every_depth_its_shifted_labels(num_mtp):
+    """Under context parallelism each depth's targets are cut to the sequence's length (ignored
+    past its end) before the split: depth k's target at position i is token i + k + 1."""
+    labels = torch.arange(10, 16).view(1, 6)
+    targets = split_targets(labels, num_mtp, split=lambda x: x)
+    assert len(targets) == num_mtp + 1
+    for k, target in enumerate(targets):
+        assert target.tolist() == [[*range(10 + k, 16), *[IGNORE_INDEX] * k]], k
+
+
+def test_the_loss_scale_first_grows_after_a_whole_clean_window():
+    scaler = LossScaler(LossScaleConfig(initial_scale_power=4, loss_scale_window=3), enabled=True)
+    for step in range(1, 7):
+        scaler.update(True)
+        assert scaler.scale == (16 if step < 3 else 32 if step < 6 else 64), step
