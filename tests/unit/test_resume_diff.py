@@ -24,6 +24,9 @@ def test_pipeline_settings_matter_only_where_a_side_has_a_pipeline():
     gpipe = {**LAYOUT, "pp_schedule": "gpipe"}
     # neither side pipelined: the schedule is a setting nothing reads
     assert _axes(gpipe, world=4)["pp_schedule"] == "unused"
+    # a checkpoint that does not record pp (an older version's) had none
+    unrecorded = {k: v for k, v in gpipe.items() if k != "pp"}
+    assert _axes(unrecorded, world=4)["pp_schedule"] == "unused"
     # the checkpoint's pp2 ran gpipe; this run has no pipeline: the layout does change
     assert _axes({**gpipe, "pp": 2, "dp_shard": 2}, world=4)["pp_schedule"] == "reshards"
     # and the other way round
