@@ -178,7 +178,8 @@ def test_export_hf_loads_in_transformers_with_the_same_logits(corpus, cache, tmp
     tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         theirs, mine = hf(tokens).logits, ours.eval()(tokens)[0]
-    assert (theirs - mine).abs().max().item() < 1e-4
+    # fp32 logits up to 0.95: measured 3.0e-7 (AVX512) and 2.4e-7 (AVX2 kernels); bound 1e-6.
+    assert (theirs - mine).abs().max().item() < 1e-6
 
 
 def test_export_hf_bad_source(tmp_path):

@@ -80,7 +80,10 @@ def test_eval_loss_is_the_held_out_cross_entropy(corpus):
     (last,) = [line for line in _lines(corpus, "direct") if "eval/loss" in line]
     assert last["step"] == STEPS
     expected = _direct_eval_loss(trainer)
-    assert abs(last["eval/loss"] - expected) <= 1e-6 * expected, (last["eval/loss"], expected)
+    # The evaluator adds four fp32 micro-batch sums (~980 each, an ulp 6e-5) in fp64: their
+    # roundings alone may reach 3e-8 of the total. Measured 1.2e-9 (AVX512) and 1.3e-9 (AVX2
+    # kernels), where they happen to cancel; bound 1e-7, which does not count on that.
+    assert abs(last["eval/loss"] - expected) <= 1e-7 * expected, (last["eval/loss"], expected)
     assert last["eval/ppl"] == pytest.approx(math.exp(last["eval/loss"]), rel=1e-12)
     assert last["eval/tokens"] == 2 * 8 * 32
 

@@ -75,8 +75,10 @@ def test_gradient_accumulation_counts_only_loss_tokens():
     one, four = _model(), _model()
     big = _step(one, [batch])
     small = _step(four, list(batch.split(1)))
+    # fp64, measured: losses 8.9e-16 (AVX512) and 0 (AVX2 kernels) apart, weights after one
+    # AdamW step 1.2e-14 and 3.2e-14. The bounds are fp64's 1e-12, not a margin over those.
     assert abs(big.loss.item() - small.loss.item()) < 1e-12
-    assert _max_diff(one, four) < 1e-7
+    assert _max_diff(one, four) < 1e-12
     assert big.tokens == int((~prompt[:, 1:]).sum())
 
 

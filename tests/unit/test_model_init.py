@@ -64,7 +64,10 @@ def test_draws_depend_on_seed_and_name_only():
 def test_truncation_and_std():
     values = _whole(shape=(400, 500))
     assert values.abs().max() <= 3 * 0.02
-    assert abs(values.std().item() - 0.02 * 0.986) < 2e-4  # std of N(0,1) cut at 3: 0.9866
+    # N(0, 1) cut at 3 has std 0.98658; the std of 200,000 draws has a sampling error of 3.0e-5
+    # here. Measured 1.7e-5 off (seeded draws: the same on AVX512 and AVX2 kernels); bound 1e-4,
+    # 3.3 sampling errors.
+    assert abs(values.std().item() - 0.02 * 0.98658) < 1e-4
 
 
 def test_wrapper_segments_and_the_mtp_copy_map_to_one_process_names():

@@ -50,7 +50,9 @@ def test_the_arithmetic_is_torchs_adam(name):
     _train(optimizer, ours, 20)
     _train(reference, theirs, 20)
     worst = max((a - b).abs().max().item() for a, b in zip(ours, theirs, strict=True))
-    assert worst < 1e-6, worst
+    # Bit for bit (measured on AVX512 and AVX2 kernels): the same fp32 operations in the same
+    # order as torch's single-tensor path, which CPU tensors take.
+    assert worst == 0, worst
 
 
 @pytest.mark.parametrize("name", ["adamw", "adam"])
