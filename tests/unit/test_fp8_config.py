@@ -59,20 +59,28 @@ def _check_errors(*sets, world=2):
     return [f for f in preflight(loaded, world) if f.severity == "error"]
 
 
+MHA = ["model.attention=mha", *WIDE]
+
+
 @pytest.mark.parametrize(
     "sets, refused",
     [
-        (["parallel.tp=2"], True),  # the debug model's wq_b is 192 wide: 96 per rank
-        (["parallel.tp=2", *WIDE], False),
-        (["parallel.tp=2", *WIDE, "model.inter_dim=384"], True),
-        (["parallel.dp_shard=2"], False),
+        (["parallel.tp=2"], "attention wq_b (192 wide)"),  # the debug model's: 96 per rank
+        (["parallel.tp=2", *WIDE], None),
+        (["parallel.tp=2", *WIDE, "model.inter_dim=384"], "dense FFN w1/w2/w3 (384 wide)"),
+        (["parallel.dp_shard=2"], None),
+        (["parallel.tp=2", *MHA], "attention wq/wo (128 wide)"),  # 4 heads of 32
+        (["parallel.tp=2", *MHA, "model.dim=512"], None),  # 4 heads of 128
     ],
 )
 def test_check_and_the_runtime_agree_on_tensor_parallel_widths(monkeypatch, sets, refused):
     errors = _check_errors(*sets)
-    assert bool(errors) == refused, [e.message for e in errors]
+    assert bool(errors) == bool(refused), [e.message for e in errors]
     if refused:
         assert errors[0].key == "parallel.tp" and "multiple of 128" in errors[0].message
+        assert refused in errors[0].message, errors[0].message
+        # tp divides the width, so the layout is sound: the whole-tile shards are dstrain's own
+        assert errors[0].trainer_limit
     # The runtime's own refusal (parallel/fp8_tp.py), with the check's rule taken out.
     monkeypatch.setattr(
         rules, "RULES", [r for r in rules.RULES if r is not rules.rule_fp8_tensor_parallel]
