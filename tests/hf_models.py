@@ -132,3 +132,27 @@ def hf_loss(model, batches: list[torch.Tensor]) -> float:
             ).item()
             count += targets.numel()
     return total / count
+
+
+def fuse_experts(tensors: dict) -> dict:
+    """Per-expert checkpoint tensors (`mlp.experts.{j}.gate_proj.weight`, as DeepSeek publishes
+    them) in the fused layout transformers keeps in memory and some exports write:
+    `mlp.experts.gate_up_proj` [E, 2F, D] and `mlp.experts.down_proj` [E, D, F]."""
+    import re
+    from collections import defaultdict
+
+    experts: dict = defaultdict(dict)
+    fused = {}
+    for name, tensor in tensors.items():
+        match = re.fullmatch(r"(.*\.mlp\.experts)\.(\d+)\.(\w+)\.weight", name)
+        if match is None:
+            fused[name] = tensor
+        else:
+            experts[match.group(1)][(int(match.group(2)), match.group(3))] = tensor
+    for prefix, parts in experts.items():
+        count = 1 + max(j for j, _ in parts)
+        fused[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([parts[j, "gate_proj"], parts[j, "up_proj"]]) for j in range(count)]
+        )
+        fused[f"{prefix}.down_proj"] = torch.stack([parts[j, "down_proj"] for j in range(count)])
+    return fused

@@ -9,6 +9,7 @@ from dstrain.config.flavors import FLAVORS
 from dstrain.errors import UserError
 from dstrain.model.hf_adapter import check_exportable, from_hf, hf_config, to_hf, with_mtp_copies
 from dstrain.model.transformer import build_model
+from tests.hf_models import fuse_experts
 from tests.unit.tiny import tiny_args
 
 
@@ -26,6 +27,21 @@ def test_every_tensor_makes_the_round_trip_with_two_mtp_depths():
             assert f"model.layers.{layer}.{part}" in hf, (layer, part)
     assert not any(name.startswith("model.layers.5.") for name in hf)
     back = from_hf(hf, args)
+    assert back.keys() == state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_fused_experts_read_as_the_per_expert_ones():
+    """transformers' fused layout (gate_up_proj [E, 2F, D], down_proj [E, D, F]) gives the same
+    state as DeepSeek's per-expert one."""
+    args = tiny_args()
+    state = {
+        k: v for k, v in build_model(args).state_dict().items() if "tokens_per_expert" not in k
+    }
+    fused = fuse_experts(with_mtp_copies(to_hf(state, args), args))
+    assert not any(".mlp.experts.0." in name for name in fused)
+    back = from_hf(fused, args)
     assert back.keys() == state.keys()
     for name, tensor in state.items():
         assert torch.equal(back[name], tensor), name

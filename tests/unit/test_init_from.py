@@ -16,7 +16,14 @@ from dstrain.model.hf_adapter import save_hf_checkpoint, to_hf, with_mtp_copies 
 from dstrain.model.hf_load import HFCheckpoint  # noqa: E402
 from dstrain.model.transformer import build_model  # noqa: E402
 from dstrain.train.trainer import Trainer  # noqa: E402
-from tests.hf_models import dequantise_block, hf_loss, hf_model, save, save_fp8  # noqa: E402
+from tests.hf_models import (  # noqa: E402
+    dequantise_block,
+    fuse_experts,
+    hf_loss,
+    hf_model,
+    save,
+    save_fp8,
+)
 from tests.unit.tiny import tiny_args  # noqa: E402
 
 BLOCK = 32  # FP8 blocks: 96 x 64 and 40 x 64 weights have partial ones
@@ -122,6 +129,21 @@ def test_every_loaded_tensor_is_the_checkpoints_bit_for_bit(corpus, tmp_path, ki
     model = _trainer(corpus, folder).model
     ours = loaded_as_checkpoint(model.state_dict(), model.args)
     assert_bit_for_bit(ours, checkpoint_tensors(folder, BLOCK), model.args)
+
+
+def test_fused_experts_load_bit_for_bit(corpus, tmp_path):
+    """A checkpoint in transformers' fused expert layout (gate_up_proj [E, 2F, D], down_proj
+    [E, D, F]): each expert's slices read out of the fused tensors, as the per-expert files'."""
+    from safetensors.torch import load_file, save_file
+
+    hf = hf_model("v3")
+    per_expert = save(hf, tmp_path / "per-expert")
+    fused = save(hf, tmp_path / "fused")
+    (file,) = fused.glob("*.safetensors")
+    save_file(fuse_experts(load_file(str(file))), str(file), metadata={"format": "pt"})
+    model = _trainer(corpus, fused).model
+    ours = loaded_as_checkpoint(model.state_dict(), model.args)
+    assert_bit_for_bit(ours, checkpoint_tensors(per_expert, BLOCK), model.args)
 
 
 def test_fp8_dequantises_exactly_and_costs_its_quantisation_error(corpus, tmp_path):
