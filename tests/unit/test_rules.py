@@ -358,3 +358,16 @@ def test_a_missing_init_from_folder_is_one_error_naming_it(tmp_path):
     # the architecture comes from the folder too: one finding, on the key to fix
     bad = errors(f"model.init_from={tmp_path / 'nowhere'}", world=2)
     assert list(bad) == ["model.init_from"], bad
+
+
+def test_virtual_stages_without_a_pipeline_split_nothing():
+    """At pp=1 the layers are not split, however many stages per rank are set: a warning that
+    the setting does nothing, not an error about an uneven split (3 layers over 2 stages)."""
+    overrides = (
+        "parallel.num_virtual_stages=2",
+        "model.num_layers=3",
+        "parallel.pp_first_stage_less_layers=0",
+        "parallel.pp_last_stage_less_layers=0",
+    )
+    assert errors(*overrides, world=1) == {}
+    assert "no effect at pp=1" in warnings(*overrides, world=1)["parallel.num_virtual_stages"]
