@@ -2,9 +2,10 @@
 Checked without a GPU (`tests/device_check.py`): the run's device is `meta` (not the CPU), the
 process group torch's fake one, and every collective's tensor devices are recorded. Covers the
 training step (token counts, loss sums, gradient clipping, the loss scaler's overflow agreement,
-the MoE loads), an expert-parallel step's dispatch, a pipeline step's sends and receives, the
-pipeline's loss, load and tied-embedding reductions, the pipeline timer, the metrics processor's
-gather, and the step's overflow and preemption agreement."""
+the MoE loads), an expert-parallel step's dispatch, a tensor-parallel step's DTensor
+collectives, a pipeline step's sends and receives, the pipeline's loss, load and tied-embedding
+reductions, the pipeline timer, the metrics processor's gather, and the step's overflow and
+preemption agreement."""
 
 from types import SimpleNamespace
 
@@ -98,6 +99,46 @@ def test_an_expert_parallel_step_keeps_its_dispatch_on_the_device(monkeypatch):
         _train_step(model)
     names = [name for name, _ in recorded.calls]
     assert names.count("_c10d_functional.all_to_all_single") >= 4, names  # out and back, x2
+    assert recorded.off_device() == []
+
+
+def test_a_tensor_parallel_step_keeps_dtensors_collectives_on_the_device():
+    """tp2 with sequence parallelism, built by the training runtime: DTensor's own collectives
+    (the sequence shards' gathers and reduce-scatters, the row-parallel all-reduces) and the
+    step's reductions, all on the run's device."""
+    config = load_config(
+        None,
+        [
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            "train.seq_len=16",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=4",
+        ],
+    ).config
+    with device_check(world_size=2) as recorded:
+        runtime = build_runtime(config, World(0, 2, 0, DEVICE, "fake"))
+        runtime.model.to(torch.bfloat16)
+        del recorded.calls[:]
+        train_step(
+            runtime.model,
+            runtime.optimizer,
+            [torch.randint(0, 64, (2, 17), device=DEVICE) for _ in range(2)],
+            scaler=LossScaler(LossScaleConfig(), enabled=False),
+            precision="fp32",
+            grad_clip=1.0,
+            mtp_weight=0.3,
+            num_mtp=1,
+            bias_update_speed=1e-3,
+            dp=runtime.dp,
+        )
+    names = {name for name, _ in recorded.calls}
+    expected = {
+        "_c10d_functional.all_gather_into_tensor",
+        "_c10d_functional.reduce_scatter_tensor",
+        "_c10d_functional.all_reduce",
+    }
+    assert expected <= names, names
     assert recorded.off_device() == []
 
 
