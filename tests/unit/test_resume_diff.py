@@ -20,6 +20,16 @@ def test_a_shrinking_axis_reshards_and_an_equal_one_stays():
     assert axes["zero_stage"] == "same" and axes["tp"] == "same"
 
 
+def test_the_data_line_names_a_change_of_data_parallel_size():
+    def data(*overrides: str, world: int) -> str:
+        meta = {"layout": LAYOUT, "step": 4, "world_size": 4, "tokens_seen": 4096}
+        return compare(meta, load_config(None, list(overrides)).config, world).data
+
+    assert "dp 4 -> 2 only changes how each step's samples are split" in data(world=2)
+    assert "dp 4 -> 8" in data(world=8)
+    assert "dp" not in data(world=4) and "4,096 tokens seen" in data(world=4)
+
+
 def test_pipeline_settings_matter_only_where_a_side_has_a_pipeline():
     gpipe = {**LAYOUT, "pp_schedule": "gpipe"}
     # neither side pipelined: the schedule is a setting nothing reads
