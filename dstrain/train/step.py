@@ -192,9 +192,7 @@ class BackwardScale:
     after: float  # what the unscale multiplies the reduced gradients by, besides 1 / scale
 
 
-def backward_scale(
-    scaler: LossScaler, dp_size: int, micro_batches: int, cp: int
-) -> BackwardScale:
+def backward_scale(scaler: LossScaler, dp_size: int, micro_batches: int, cp: int) -> BackwardScale:
     """DDP/FSDP average gradients over dp, and the global-mean loss needs their sum: the backward
     loss is multiplied by dp. The balance loss enters backward on its own, loss-scaled like the
     main loss, averaged over micro-batches and (unlike the main loss) over dp. Under fp16 the x dp
