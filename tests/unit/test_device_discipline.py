@@ -41,23 +41,25 @@ def _on_device(model: torch.nn.Module) -> torch.nn.Module:
     return model.to(torch.bfloat16)
 
 
-def _train_step(model: torch.nn.Module, *, fp16: bool = False, context=None) -> None:
-    """One step of two micro-batches on DEVICE, as rank 0 of dp 2 (the fake group's world)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batches = [torch.randint(0, 64, (2, 9), device=DEVICE) for _ in range(2)]
-    train_step(
-        model,
-        optimizer,
-        batches,
+def _step_settings(dp: DataParallel, fp16: bool = False) -> dict:
+    """What the trainer passes a step, besides the model, optimizer and batches."""
+    return dict(
         scaler=LossScaler(LossScaleConfig(), enabled=fp16),
         precision="fp32",
         grad_clip=1.0,
         mtp_weight=0.3,
         num_mtp=1,
         bias_update_speed=1e-3,
-        dp=DataParallel(dist.group.WORLD, 2),
-        context=context,
+        dp=dp,
     )
+
+
+def _train_step(model: torch.nn.Module, *, fp16: bool = False, context=None) -> None:
+    """One step of two micro-batches on DEVICE, as rank 0 of dp 2 (the fake group's world)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = [torch.randint(0, 64, (2, 9), device=DEVICE) for _ in range(2)]
+    dp = DataParallel(dist.group.WORLD, 2)
+    train_step(model, optimizer, batches, context=context, **_step_settings(dp, fp16))
 
 
 @pytest.mark.parametrize("fp16", [False, True], ids=["bf16", "fp16-scaler"])
@@ -102,36 +104,29 @@ def test_an_expert_parallel_step_keeps_its_dispatch_on_the_device(monkeypatch):
     assert recorded.off_device() == []
 
 
+def _runtime(*overrides: str):
+    """Rank 0 of 2 as the training runtime builds it on DEVICE, micro-batches of 2 x 16 tokens
+    (call inside `device_check`)."""
+    sets = [*overrides, "train.seq_len=16", "train.micro_batch_size=2"]
+    runtime = build_runtime(load_config(None, sets).config, World(0, 2, 0, DEVICE, "fake"))
+    runtime.model.to(torch.bfloat16)
+    return runtime
+
+
+def _batches(count: int) -> list[torch.Tensor]:
+    return [torch.randint(0, 64, (2, 17), device=DEVICE) for _ in range(count)]
+
+
 def test_a_tensor_parallel_step_keeps_dtensors_collectives_on_the_device():
-    """tp2 with sequence parallelism, built by the training runtime: DTensor's own collectives
-    (the sequence shards' gathers and reduce-scatters, the row-parallel all-reduces) and the
-    step's reductions, all on the run's device."""
-    config = load_config(
-        None,
-        [
-            "parallel.tp=2",
-            "parallel.sequence_parallel=true",
-            "train.seq_len=16",
-            "train.micro_batch_size=2",
-            "train.global_batch_size=4",
-        ],
-    ).config
+    """tp2 with sequence parallelism: DTensor's own collectives (the sequence shards' gathers and
+    reduce-scatters, the row-parallel all-reduces) and the step's reductions, all on the run's
+    device."""
     with device_check(world_size=2) as recorded:
-        runtime = build_runtime(config, World(0, 2, 0, DEVICE, "fake"))
-        runtime.model.to(torch.bfloat16)
-        del recorded.calls[:]
-        train_step(
-            runtime.model,
-            runtime.optimizer,
-            [torch.randint(0, 64, (2, 17), device=DEVICE) for _ in range(2)],
-            scaler=LossScaler(LossScaleConfig(), enabled=False),
-            precision="fp32",
-            grad_clip=1.0,
-            mtp_weight=0.3,
-            num_mtp=1,
-            bias_update_speed=1e-3,
-            dp=runtime.dp,
+        runtime = _runtime(
+            "parallel.tp=2", "parallel.sequence_parallel=true", "train.global_batch_size=4"
         )
+        del recorded.calls[:]
+        train_step(runtime.model, runtime.optimizer, _batches(2), **_step_settings(runtime.dp))
     names = {name for name, _ in recorded.calls}
     expected = {
         "_c10d_functional.all_gather_into_tensor",
@@ -143,23 +138,14 @@ def test_a_tensor_parallel_step_keeps_dtensors_collectives_on_the_device():
 
 
 def test_a_pipeline_step_keeps_its_sends_and_receives_on_the_device():
-    """Rank 0 of pp2 under 1f1b, built by the training runtime on the run's device: each
-    micro-batch's activations sent on and its gradient received back (c10d p2p), then the
-    step's loss, clipping and load reductions, all on the run's device."""
-    config = load_config(
-        None,
-        [
-            "parallel.pp=2",
-            "parallel.pp_schedule=1f1b",
-            "train.seq_len=16",
-            "train.micro_batch_size=2",
-            "train.global_batch_size=8",
-        ],
-    ).config
+    """Rank 0 of pp2 under 1f1b: each micro-batch's activations sent on and its gradient
+    received back (c10d p2p), then the step's loss, clipping and load reductions, all on the
+    run's device."""
     with device_check(world_size=2) as recorded:
-        runtime = build_runtime(config, World(0, 2, 0, DEVICE, "fake"))
+        runtime = _runtime(
+            "parallel.pp=2", "parallel.pp_schedule=1f1b", "train.global_batch_size=8"
+        )
         pipe = runtime.pipeline
-        pipe.model.to(torch.bfloat16)
         # Upstream infers the stages' shapes by exchanging them as pickled objects, which the
         # fake group cannot carry: the first stage is given them (static metadata) instead.
         stage, tokens = pipe.stages[0], torch.randint(0, 64, (2, 16), device=DEVICE)
@@ -176,16 +162,10 @@ def test_a_pipeline_step_keeps_its_sends_and_receives_on_the_device():
         pipeline_step(
             pipe,
             runtime.optimizer,
-            [torch.randint(0, 64, (2, 17), device=DEVICE) for _ in range(4)],
-            scaler=LossScaler(LossScaleConfig(), enabled=False),
-            precision="fp32",
-            grad_clip=1.0,
-            mtp_weight=0.3,
-            num_mtp=1,
+            _batches(4),
             num_experts=runtime.model_args.num_routed_experts,
-            bias_update_speed=1e-3,
-            dp=runtime.dp,
             timer=PipelineTimer(pipe.group, device=DEVICE),
+            **_step_settings(runtime.dp),
         )
     names = [name for name, _ in recorded.calls]
     # 4 micro-batches: 4 activations out, 4 gradients back (+ the stages' warm-up vote)
