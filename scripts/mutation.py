@@ -126,6 +126,7 @@ class Outcome:
     operator: str
     result: str  # killed, survived, incompetent
     diff: str = ""
+    occurrence: int = -1  # cosmic-ray's index of this operator's sites in the module
 
 
 @dataclass
@@ -206,18 +207,20 @@ def _run_one(item: dict, tests: list[str], workdir: Path, timeout: float) -> Out
     except subprocess.TimeoutExpired:
         subprocess.run(["git", "-C", str(workdir), "checkout", "--", item["module"]], check=False)
         # A mutant that hangs its tests is caught, by the timeout.
-        return Outcome(item["line"], item["operator"], "killed")
+        return Outcome(item["line"], item["operator"], "killed", occurrence=item["occurrence"])
     try:
         outcome = json.loads(done.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):
-        return Outcome(item["line"], item["operator"], "incompetent")
+        return Outcome(item["line"], item["operator"], "incompetent", occurrence=item["occurrence"])
     result = {"killed": "killed", "survived": "survived"}.get(outcome.get("test_outcome") or "")
     diff = "\n".join(
         line
         for line in (outcome.get("diff") or "").splitlines()
         if line[:1] in "+-" and not line.startswith(("+++", "---"))
     )
-    return Outcome(item["line"], item["operator"], result or "incompetent", diff)
+    return Outcome(
+        item["line"], item["operator"], result or "incompetent", diff, item["occurrence"]
+    )
 
 
 def _workdir(tmp: Path) -> Path:
@@ -242,8 +245,8 @@ def run_group(
     only: dict[str, set[tuple[str, int]]] | None = None,
 ) -> list[Report]:
     """Each module of group `name` against its own tests: every mutant, or `sample` of them, or
-    (`only`, by module) those of these (operator, line) pairs. With `out`, each module's report
-    is appended to it as one JSON line once it is done."""
+    (`only`, by module) those of these (operator, occurrence) pairs. With `out`, each module's
+    report is appended to it as one JSON line once it is done."""
     reports = []
     with tempfile.TemporaryDirectory(prefix=f"mutation-{name}-") as tmp:
         workdir = _workdir(Path(tmp))
@@ -255,7 +258,7 @@ def run_group(
             items = _work_items(module.path, tests, workdir)
             report = Report(name, module.path, total_mutants=len(items))
             if only is not None:
-                chosen = [i for i in items if (i["operator"], i["line"]) in only[module.path]]
+                chosen = [i for i in items if (i["operator"], i["occurrence"]) in only[module.path]]
             elif sample and sample < len(items):
                 chosen = random.Random(seed).sample(items, sample)
             else:
@@ -307,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         only = {}
         for line in args.retest.read_text().splitlines():
             report = _report_from(json.loads(line))
-            survivors = {(o.operator, o.line) for o in report.outcomes if o.result == "survived"}
+            survivors = {
+                (o.operator, o.occurrence) for o in report.outcomes if o.result == "survived"
+            }
             only.setdefault(report.module, set()).update(survivors)
     reports = [
         r for n in names for r in run_group(n, args.sample, args.seed, args.timeout, args.out, only)
