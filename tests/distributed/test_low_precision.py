@@ -202,11 +202,11 @@ def _weight_gap(weights_dir: Path, name: str, reference: OneProcess) -> tuple[fl
     worst, where = 0.0, ""
     for key, ref in reference.weights.items():
         moved = float((ref.double() - reference.initial[key].double()).norm())
-        gap = float((weights[key].double() - ref.double()).norm())
         if key.endswith("expert_bias"):
             trained = float((weights[key].double() - reference.initial[key].double()).norm())
             assert trained > 0 or moved == 0, (name, key)
             continue
+        gap = float((weights[key].double() - ref.double()).norm())
         share = gap / moved if moved else (0.0 if gap == 0 else float("inf"))
         if share >= worst:
             worst, where = share, key
